@@ -1,0 +1,252 @@
+"""Pytrees: the `struct` dataclass decorator and the tree helpers functrain needs.
+
+Every container functrain produces (the train state, optimizer states, metric states) is a pytree that
+both optree (our helpers, checkpoints) and ``torch.utils._pytree`` (``torch.func`` and ``torch.compile``)
+understand. A class registered with only one of them is an opaque leaf to the other, so :func:`struct`
+registers with both.
+
+optree sorts dict keys while torch's pytree keeps insertion order: never pair leaf lists produced by the
+two libraries. Every helper here goes through optree in the ``"functrain"`` namespace.
+
+Example:
+    >>> import torch
+    >>> from functrain import tree
+    >>> @tree.struct
+    ... class Point:
+    ...     x: torch.Tensor
+    ...     name: str = tree.field(static=True, default="p")
+    >>> p = Point(torch.ones(2))
+    >>> tree.leaves(p.replace(x=torch.zeros(2)))
+    [tensor([0., 0.])]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+import optree
+import torch
+import torch.utils._pytree as torch_pytree
+
+NAMESPACE = "functrain"
+
+PyTree = Any
+T = TypeVar("T")
+
+__all__ = [
+    "NAMESPACE",
+    "PyTree",
+    "cast",
+    "field",
+    "flatten",
+    "global_norm",
+    "leaves",
+    "map",
+    "map_with_path",
+    "num_bytes",
+    "num_elements",
+    "path_str",
+    "paths",
+    "struct",
+    "structure",
+    "unflatten",
+    "zeros_like",
+]
+
+
+# --------------------------------------------------------------------------------------------- struct
+
+
+def field(*, static: bool = False, **kwargs: Any) -> Any:
+    """A dataclass field for :func:`struct`; ``static=True`` keeps it out of the pytree's leaves.
+
+    Static fields hold configuration (functions, names, flags): they are part of the tree's structure,
+    are not traced by ``torch.compile`` as tensors, and are not saved in checkpoints.
+
+    Example:
+        >>> @struct
+        ... class Scaled:
+        ...     value: torch.Tensor
+        ...     how: str = field(static=True, default="mean")
+    """
+    metadata = dict(kwargs.pop("metadata", None) or {})
+    metadata["static"] = static
+    return dataclasses.field(metadata=metadata, **kwargs)
+
+
+def _replace(self: T, **changes: Any) -> T:
+    """Return a copy with the given fields changed (the instance itself is never mutated)."""
+    return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+
+def struct(cls: type[T]) -> type[T]:
+    """Make ``cls`` a frozen dataclass registered as a pytree with optree and torch.
+
+    Data fields are the children; fields declared with ``field(static=True)`` travel in the tree's
+    structure. Instances compare by identity (tensors have no useful ``==``) and gain ``.replace(**kw)``.
+
+    Example:
+        >>> @struct
+        ... class Average:
+        ...     total: torch.Tensor
+        ...     count: torch.Tensor
+        >>> a = Average(torch.tensor(3.0), torch.tensor(2.0))
+        >>> a.replace(count=torch.tensor(4.0)).count
+        tensor(4.)
+    """
+    if "replace" not in cls.__dict__:
+        cls.replace = _replace  # type: ignore[attr-defined]
+    cls = dataclasses.dataclass(frozen=True, eq=False)(cls)
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    data = tuple(f.name for f in fields if not f.metadata.get("static", False))
+    static = tuple(f.name for f in fields if f.metadata.get("static", False))
+    init_data = tuple(f.name for f in fields if f.init and f.name in data)
+    init_static = tuple(f.name for f in fields if f.init and f.name in static)
+    if len(init_data) != len(data) or len(init_static) != len(static):
+        raise TypeError(f"struct {cls.__name__}: every field must be an __init__ field (init=True)")
+
+    def flatten_fn(obj: Any) -> tuple[list[Any], tuple[Any, ...]]:
+        return [getattr(obj, n) for n in data], tuple(getattr(obj, n) for n in static)
+
+    def unflatten_fn(children: Iterable[Any], context: tuple[Any, ...]) -> Any:
+        kwargs = dict(zip(data, children))
+        kwargs.update(zip(static, context))
+        return cls(**kwargs)
+
+    def flatten_with_keys_fn(obj: Any) -> tuple[list[tuple[Any, Any]], tuple[Any, ...]]:
+        children, context = flatten_fn(obj)
+        return [(torch_pytree.GetAttrKey(n), c) for n, c in zip(data, children)], context
+
+    optree.register_pytree_node(
+        cls,
+        lambda obj: (tuple(getattr(obj, n) for n in data), tuple(getattr(obj, n) for n in static), data),
+        lambda context, children: unflatten_fn(children, context),
+        path_entry_type=optree.GetAttrEntry,
+        namespace=NAMESPACE,
+    )
+    torch_pytree.register_pytree_node(
+        cls,
+        flatten_fn,
+        unflatten_fn,
+        serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
+        flatten_with_keys_fn=flatten_with_keys_fn,
+    )
+    cls.__functrain_struct__ = (data, static)  # type: ignore[attr-defined]
+    return cls
+
+
+def is_struct(obj: Any) -> bool:
+    """True when ``obj`` is an instance (or class) made by :func:`struct`."""
+    return hasattr(obj, "__functrain_struct__")
+
+
+# --------------------------------------------------------------------------------------------- optree
+
+
+def map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree, is_leaf: Callable[[Any], bool] | None = None) -> PyTree:  # noqa: A001
+    """``optree.tree_map`` in functrain's namespace (``None`` is an empty subtree, not a leaf).
+
+    Example:
+        >>> map(lambda x: x * 2, {"a": torch.ones(1)})
+        {'a': tensor([2.])}
+    """
+    return optree.tree_map(fn, tree, *rest, is_leaf=is_leaf, namespace=NAMESPACE)
+
+
+def map_with_path(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
+    """Like :func:`map`, with the leaf's path (a tuple of keys) as the first argument."""
+    return optree.tree_map_with_path(fn, tree, *rest, namespace=NAMESPACE)
+
+
+def leaves(tree: PyTree) -> list[Any]:
+    """The leaves of ``tree`` in optree order."""
+    return optree.tree_leaves(tree, namespace=NAMESPACE)
+
+
+def flatten(tree: PyTree) -> tuple[list[Any], optree.PyTreeSpec]:
+    """``(leaves, treespec)``; rebuild with :func:`unflatten`."""
+    return optree.tree_flatten(tree, namespace=NAMESPACE)
+
+
+def unflatten(spec: optree.PyTreeSpec, leaves_: Iterable[Any]) -> PyTree:
+    """Inverse of :func:`flatten`."""
+    return optree.tree_unflatten(spec, leaves_)
+
+
+def structure(tree: PyTree) -> optree.PyTreeSpec:
+    """The tree's structure (a hashable ``PyTreeSpec``)."""
+    return optree.tree_structure(tree, namespace=NAMESPACE)
+
+
+def path_str(path: Sequence[Any]) -> str:
+    """A readable dotted path: ``("opt_state", 0, "mu", "fc.weight")`` -> ``opt_state[0].mu['fc.weight']``."""
+    out = ""
+    for key in path:
+        if isinstance(key, int):
+            out += f"[{key}]"
+        elif isinstance(key, str) and key.isidentifier():
+            out += f".{key}" if out else key
+        else:
+            out += f"[{key!r}]"
+    return out or "<root>"
+
+
+def paths(tree: PyTree) -> list[str]:
+    """Readable paths of every leaf, in leaf order."""
+    return [path_str(p) for p in optree.tree_paths(tree, namespace=NAMESPACE)]
+
+
+# --------------------------------------------------------------------------------------------- math
+
+
+def _tensors(tree: PyTree) -> list[torch.Tensor]:
+    return [x for x in leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+def zeros_like(tree: PyTree, dtype: torch.dtype | None = None) -> PyTree:
+    """A tree of zeros with the shapes (and devices) of ``tree``'s tensor leaves."""
+    return map(lambda x: torch.zeros_like(x, dtype=dtype), tree)
+
+
+def cast(tree: PyTree, dtype: torch.dtype, *, floating_only: bool = True) -> PyTree:
+    """Cast tensor leaves to ``dtype``; integer and bool leaves are kept when ``floating_only``.
+
+    Example:
+        >>> cast({"w": torch.ones(1), "n": torch.ones(1, dtype=torch.int64)}, torch.bfloat16)["n"].dtype
+        torch.int64
+    """
+
+    def one(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if floating_only and not (x.is_floating_point() or x.is_complex()):
+            return x
+        return x.to(dtype)
+
+    return map(one, tree)
+
+
+def global_norm(tree: PyTree) -> torch.Tensor:
+    """The L2 norm of all tensor leaves taken together (a 0-d float32 tensor), with one foreach kernel.
+
+    Example:
+        >>> global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])})
+        tensor(5.)
+    """
+    xs = _tensors(tree)
+    if not xs:
+        return torch.zeros(())
+    norms = torch._foreach_norm(xs)
+    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+
+
+def num_elements(tree: PyTree) -> int:
+    """Total number of elements over all tensor leaves."""
+    return sum(x.numel() for x in _tensors(tree))
+
+
+def num_bytes(tree: PyTree) -> int:
+    """Total storage, in bytes, over all tensor leaves."""
+    return sum(x.numel() * x.element_size() for x in _tensors(tree))
