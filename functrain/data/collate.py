@@ -1,0 +1,191 @@
+"""Collation: a list of samples -> one batch, with errors that name the offending path.
+
+A sample is any pytree (dicts, tuples, lists, namedtuples, ``tree.struct`` classes, ``None``) whose
+leaves are tensors, numpy arrays, numbers or strings. Every sample must have the structure of the first;
+leaves at the same path are stacked along a new leading dimension.
+
+Differences from ``torch.utils.data.default_collate``: containers keep their type (a tuple sample gives
+a tuple batch); Python floats become the default float dtype (usually float32) instead of float64; and
+every error says which path, which sample and what to do.
+
+Example:
+    >>> import torch
+    >>> batch = collate([{"x": torch.zeros(3), "y": 1}, {"x": torch.ones(3), "y": 0}])
+    >>> batch["x"].shape, batch["y"]
+    (torch.Size([2, 3]), tensor([1, 0]))
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import optree
+import torch
+
+from functrain import tree
+
+__all__ = ["CollateError", "collate", "empty_batch", "num_examples"]
+
+
+class CollateError(ValueError):
+    """Samples that cannot be stacked into a batch; the message names the path and the sample."""
+
+
+def collate(samples: Sequence[Any]) -> Any:
+    """Stack a non-empty list of samples (same structure) into one batch.
+
+    Example:
+        >>> collate([(torch.tensor([1.0]), 2), (torch.tensor([3.0]), 4)])
+        (tensor([[1.],
+                [3.]]), tensor([2, 4]))
+    """
+    if len(samples) == 0:
+        raise CollateError(
+            "collate: got no samples; an empty batch has no structure to copy. "
+            "Use functrain.data.empty_batch(sample) to make one shaped like a sample"
+        )
+    first_leaves, spec = tree.flatten(samples[0])
+    columns: list[list[Any]] = [[leaf] for leaf in first_leaves]
+    for i, sample in enumerate(samples[1:], start=1):
+        leaves, sample_spec = tree.flatten(sample)
+        if sample_spec != spec:
+            raise CollateError(_structure_message(samples[0], sample, i))
+        for column, leaf in zip(columns, leaves):
+            column.append(leaf)
+    paths = tree.paths(samples[0])
+    return tree.unflatten(spec, [_stack(path, column) for path, column in zip(paths, columns)])
+
+
+def _structure_message(first: Any, other: Any, i: int) -> str:
+    first_paths, other_paths = set(tree.paths(first)), set(tree.paths(other))
+    missing = sorted(first_paths - other_paths)
+    extra = sorted(other_paths - first_paths)
+    if missing or extra:
+        detail = f"missing {missing[:5]}" if missing else ""
+        detail += (", " if missing and extra else "") + (f"unexpected {extra[:5]}" if extra else "")
+    else:
+        detail = f"containers differ: {tree.structure(first)} vs {tree.structure(other)}"
+    return (
+        f"collate: sample {i} of the batch has a different structure from sample 0 ({detail}); "
+        "every sample of a dataset must have the same keys and fields"
+    )
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (numbers.Number, np.generic)) and not isinstance(
+        value, (complex, np.complexfloating)
+    )
+
+
+def _stack(path: str, values: list[Any]) -> Any:
+    first = values[0]
+    for i, value in enumerate(values):
+        if not _same_kind(first, value):
+            raise CollateError(
+                f"collate: batch element at path {path!r} is a {_type_name(first)} in sample 0 but a "
+                f"{_type_name(value)} in sample {i}; make the dataset return one type per field"
+            )
+    if isinstance(first, torch.Tensor):
+        return torch.stack(_same_shapes(path, values, [v.shape for v in values]))
+    if isinstance(first, np.ndarray):
+        if first.dtype.kind not in "biufc":
+            raise CollateError(
+                f"collate: batch element at path {path!r} is a numpy array of dtype {first.dtype}, "
+                "which has no tensor equivalent; convert it to a numeric array in the dataset"
+            )
+        return torch.from_numpy(np.stack(_same_shapes(path, values, [v.shape for v in values])))
+    if isinstance(first, np.generic):
+        return torch.from_numpy(np.asarray(values))
+    if isinstance(first, bool):
+        return torch.tensor(values, dtype=torch.bool)
+    if _is_number(first):
+        # Python floats follow torch's default dtype (float32 unless changed), not float64.
+        if all(isinstance(v, int) for v in values):
+            return torch.tensor(values, dtype=torch.int64)
+        return torch.tensor(values, dtype=torch.get_default_dtype())
+    if isinstance(first, (str, bytes)):
+        return list(values)
+    raise CollateError(
+        f"collate: cannot collate batch element at path {path!r} of type {_type_name(first)}; "
+        "return tensors, numpy arrays, numbers or strings from the dataset (convert it in __getitem__), "
+        "or pass collate_fn= to handle it"
+    )
+
+
+def _same_kind(first: Any, value: Any) -> bool:
+    if isinstance(first, torch.Tensor):
+        return isinstance(value, torch.Tensor)
+    if isinstance(first, np.ndarray):
+        return isinstance(value, np.ndarray)
+    if isinstance(first, np.generic):
+        return isinstance(value, np.generic)
+    if isinstance(first, bool):
+        return isinstance(value, bool)
+    if _is_number(first):
+        return _is_number(value) and not isinstance(value, (bool, np.generic))
+    if isinstance(first, (str, bytes)):
+        return isinstance(value, type(first))
+    return True  # uncollatable types are reported by _stack with their own message
+
+
+def _same_shapes(path: str, values: list[Any], shapes: list[Any]) -> list[Any]:
+    for i, shape in enumerate(shapes):
+        if tuple(shape) != tuple(shapes[0]):
+            raise CollateError(
+                f"collate: batch element at path {path!r} has shape {tuple(shapes[0])} in sample 0 but "
+                f"{tuple(shape)} in sample {i}; pad or resize to one shape in the dataset, or pass a "
+                "collate_fn that pads"
+            )
+    return values
+
+
+def _type_name(value: Any) -> str:
+    cls = type(value)
+    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def empty_batch(sample: Any) -> Any:
+    """A batch of zero examples with ``sample``'s structure: what :func:`collate` would give for none.
+
+    A rank that has no examples left in the final step of an epoch yields this, so every rank still
+    takes the step (collectives must match) while contributing a count of zero.
+
+    Example:
+        >>> empty_batch({"x": torch.zeros(3), "y": 1})["x"].shape
+        torch.Size([0, 3])
+    """
+
+    def one(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.new_empty((0, *leaf.shape))
+        if isinstance(leaf, (np.ndarray, np.generic)):
+            return torch.from_numpy(np.empty((0, *np.shape(leaf)), dtype=np.asarray(leaf).dtype))
+        if isinstance(leaf, (str, bytes)):
+            return []
+        if _is_number(leaf):
+            return _stack("<root>", [leaf])[:0]
+        raise CollateError(f"empty_batch: cannot make an empty batch of a {_type_name(leaf)}")
+
+    return tree.map(one, sample)
+
+
+def num_examples(batch: Any) -> int:
+    """Number of examples in a collated batch: the leading size of its first tensor (or string list).
+
+    Example:
+        >>> num_examples({"x": torch.zeros(5, 3)})
+        5
+    """
+
+    def is_string_column(node: Any) -> bool:
+        return isinstance(node, list) and bool(node) and all(isinstance(s, (str, bytes)) for s in node)
+
+    for leaf in optree.tree_leaves(batch, namespace=tree.NAMESPACE, is_leaf=is_string_column):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+        if isinstance(leaf, list):
+            return len(leaf)
+    raise ValueError("num_examples: the batch has no tensor or list leaf with a leading batch dimension")

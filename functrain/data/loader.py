@@ -1,0 +1,301 @@
+"""``Loader``: deterministic, resumable batches on the device, one epoch or many.
+
+Example:
+    >>> import torch
+    >>> from functrain import random
+    >>> from functrain.data import DataPosition, Loader
+    >>> dataset = [{"x": torch.tensor([float(i)]), "y": i % 2} for i in range(10)]
+    >>> loader = Loader(dataset, batch_size=4, key=random.key(0), prefetch=0)
+    >>> len(loader)
+    3
+    >>> resumed = [b["x"] for b in loader.epoch(1, start_index=1)]
+    >>> all(torch.equal(a, b) for a, b in zip(resumed, [b["x"] for b in loader.epoch(1)][1:]))
+    True
+    >>> position, batch = next(iter(loader.iterate(DataPosition(epoch=0, index=3))))
+    >>> position.as_tuple()  # the position after this batch: epoch 1's first
+    (1, 1)
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from functrain import random
+from functrain.data.position import DataPosition
+from functrain.data.prefetch import Prefetcher
+from functrain.data.sources import DataLoaderSource, IterableSource, MapSource
+from functrain.data.transfer import to_device
+
+__all__ = ["Loader"]
+
+
+class Loader:
+    """Batches of ``data`` from any ``(epoch, index)`` position, moved to ``device`` in the background.
+
+    ``data`` is one of:
+
+    - a **map-style dataset** (``__len__`` and ``__getitem__``; a list works): the main path. Epoch
+      ``e`` visits the examples in ``torch.randperm(n, generator=random.generator(random.fold_in(key,
+      e)))`` order (``shuffle=True``, the default, needs ``key``), so epochs differ, the same key gives
+      the same order, and resume seeks arithmetically. With ``world_size > 1`` each rank reads its
+      share of the same permutation (see :mod:`functrain.data.order`): all ranks have the same number
+      of batches; with ``drop_last=False`` the final step's remainder is spread over the ranks, so a
+      rank's last batch can be smaller or **empty** (zero examples, same structure; see
+      :func:`~functrain.data.empty_batch` and :func:`~functrain.data.num_examples`) and no example is
+      dropped or repeated. Weight metrics and losses by example count, not by batch.
+    - an **iterable dataset** (``torch.utils.data.IterableDataset``): read in its own order, no
+      shuffling, one rank; ``set_epoch(epoch)`` is called on it when it has one. Resume **skips**
+      ``index`` batches of a fresh pass (loads and discards them): exact only if each pass repeats.
+    - an existing **``torch.utils.data.DataLoader``**, used as it is (give no batching arguments).
+      Resume skips ``index`` batches; ``set_epoch`` is called on its sampler when it has one. A
+      :class:`~functrain.data.ResumeWarning` is raised when its order cannot be reproduced (e.g. a
+      ``RandomSampler`` without a generator). ``exact_resume`` tells which case applies.
+
+    Randomness inside ``__getitem__`` (augmentation): worker seeds are derived from ``(key, epoch,
+    start_index)``, so runs repeat, but a resumed epoch's workers restart their streams. For
+    augmentations that survive resume, draw them from the example index, e.g. with
+    ``random.generator(random.fold_in(aug_key, index))``. Do not use the global torch RNG there: with
+    ``prefetch > 0`` the dataset runs in a background thread while the loop reseeds that RNG every step.
+
+    ``prefetch`` batches are loaded and copied to ``device`` ahead by a background thread
+    (``prefetch=0``: load in the caller's thread). ``pin_memory`` page-locks host batches for
+    asynchronous CUDA copies.
+
+    Example:
+        >>> loader = Loader(list(range(10)), batch_size=4, shuffle=False, prefetch=0)
+        >>> [b.tolist() for b in loader.epoch(0)]
+        [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    """
+
+    def __init__(
+        self,
+        data: Any,
+        batch_size: int | None = None,
+        *,
+        shuffle: bool | None = None,
+        key: torch.Tensor | None = None,
+        drop_last: bool = False,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        prefetch: int = 2,
+        device: str | torch.device | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        _check_int("num_workers", num_workers, minimum=0)
+        _check_int("prefetch", prefetch, minimum=0)
+        _check_int("world_size", world_size, minimum=1)
+        _check_int("rank", rank, minimum=0)
+        if rank >= world_size:
+            raise ValueError(f"Loader: rank must be < world_size={world_size}, got rank={rank}")
+        if key is not None and not random.is_key(key):
+            raise TypeError(
+                f"Loader: key must be a functrain random key (CPU int64 tensor of shape (2,)), got "
+                f"{type(key).__name__}; make one with functrain.random.key(seed)"
+            )
+        if pin_memory and not torch.cuda.is_available():
+            warnings.warn(
+                "Loader: pin_memory=True has no effect without CUDA; it is ignored", UserWarning, stacklevel=2
+            )
+            pin_memory = False
+        self.device = torch.device(device) if device is not None else None
+        self.prefetch = prefetch
+        self._source: MapSource | IterableSource | DataLoaderSource
+
+        if isinstance(data, DataLoader):
+            given = {
+                "batch_size": batch_size is not None,
+                "shuffle": shuffle is not None,
+                "key": key is not None,
+                "drop_last": drop_last,
+                "collate_fn": collate_fn is not None,
+                "num_workers": num_workers != 0,
+                "pin_memory": pin_memory,
+                "rank/world_size": world_size != 1,
+            }
+            if any(given.values()):
+                names = ", ".join(name for name, is_given in given.items() if is_given)
+                raise ValueError(
+                    f"Loader: got a DataLoader together with {names}; a DataLoader is used as it is. "
+                    "Set those on the DataLoader, or pass its dataset to Loader instead"
+                )
+            self._source = DataLoaderSource(data)
+            return
+
+        if batch_size is None:
+            raise ValueError(
+                "Loader: batch_size is required for a dataset (only a DataLoader brings its own)"
+            )
+        _check_int("batch_size", batch_size, minimum=1)
+        if isinstance(data, IterableDataset) or (
+            hasattr(data, "__iter__") and not hasattr(data, "__getitem__")
+        ):
+            if shuffle:
+                raise ValueError(
+                    "Loader: shuffle=True is not possible for an iterable dataset, which is read in its own "
+                    "order; shuffle inside the dataset (per epoch, via set_epoch) or use a map-style dataset"
+                )
+            if world_size != 1:
+                raise ValueError(
+                    "Loader: an iterable dataset cannot be sharded by Loader (world_size > 1); have the "
+                    "dataset yield only this rank's examples and pass world_size=1"
+                )
+            self._source = IterableSource(
+                data,
+                batch_size,
+                drop_last=drop_last,
+                collate_fn=collate_fn,
+                num_workers=num_workers,
+                pin_memory=pin_memory,
+                key=key,
+            )
+            return
+
+        if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+            raise TypeError(
+                f"Loader: data must be a map-style dataset (__len__ and __getitem__), an IterableDataset or "
+                f"a DataLoader, got {type(data).__name__}"
+            )
+        shuffle = True if shuffle is None else shuffle
+        if shuffle and key is None:
+            raise ValueError(
+                "Loader: shuffle=True needs key= (e.g. functrain.random.key(0), or a key split from the "
+                "train state's rng) so that every epoch's order can be recomputed on resume; "
+                "or pass shuffle=False"
+            )
+        self._source = MapSource(
+            data,
+            batch_size,
+            shuffle=shuffle,
+            key=key,
+            drop_last=drop_last,
+            collate_fn=collate_fn,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            rank=rank,
+            world_size=world_size,
+        )
+
+    # ------------------------------------------------------------------------------------------ sizes
+
+    @property
+    def batches_per_epoch(self) -> int | None:
+        """Batches of one epoch on this rank (equal on every rank); ``None`` if the data has no length."""
+        return self._source.batches_per_epoch
+
+    def __len__(self) -> int:
+        if self.batches_per_epoch is None:
+            raise TypeError(
+                "Loader: the number of batches per epoch is unknown (an iterable dataset without __len__); "
+                "bound training by a number of steps instead of epochs"
+            )
+        return self.batches_per_epoch
+
+    @property
+    def exact_resume(self) -> bool:
+        """True when resuming at any position reproduces the uninterrupted run's batches exactly."""
+        return self._source.exact_resume
+
+    def batch_indices(self, epoch: int) -> list[list[int]]:
+        """This rank's batches of ``epoch`` as dataset indices (map-style datasets only).
+
+        Example:
+            >>> Loader(list(range(5)), 2, shuffle=False).batch_indices(0)
+            [[0, 1], [2, 3], [4]]
+        """
+        if not isinstance(self._source, MapSource):
+            raise TypeError("Loader.batch_indices: only a map-style dataset has batches known by index")
+        return self._source.batch_indices(epoch)
+
+    # ------------------------------------------------------------------------------------------ batches
+
+    def epoch(self, epoch: int, start_index: int = 0) -> Iterator[Any]:
+        """Epoch ``epoch``'s batches from batch ``start_index`` on, on the device.
+
+        The iterator has ``close()``; breaking out of a ``for`` loop over it also stops its prefetch
+        thread once the iterator is dropped.
+
+        Example:
+            >>> [b.tolist() for b in Loader(list(range(5)), 2, shuffle=False).epoch(0, start_index=2)]
+            [[4]]
+        """
+        _check_int("epoch", epoch, minimum=0)
+        _check_int("start_index", start_index, minimum=0)
+        bpe = self.batches_per_epoch
+        if bpe is not None and start_index > bpe:
+            raise ValueError(
+                f"Loader.epoch: start_index={start_index} is past the end of an epoch of {bpe} batches; "
+                "was the position saved with another batch size, dataset or world size?"
+            )
+        return self._on_device(self._source.batches(epoch, start_index), lambda batch: self._move(batch))
+
+    def iterate(
+        self, position: DataPosition | None = None, *, num_epochs: int | None = None
+    ) -> Iterator[tuple[DataPosition, Any]]:
+        """``(position_after, batch)`` pairs from ``position`` on, across epoch boundaries.
+
+        ``position_after`` is where the stream stands once ``batch`` is consumed: save it with the
+        state that ``batch`` produced, and pass it back here to resume. At an epoch's last batch it is
+        ``(epoch, batches_per_epoch)``. Stops before epoch ``num_epochs`` (never, when ``None``).
+
+        Example:
+            >>> loader = Loader(list(range(4)), 2, shuffle=False, prefetch=0)
+            >>> [(p.as_tuple(), b.tolist()) for p, b in loader.iterate(num_epochs=2)][1:3]
+            [((0, 2), [2, 3]), ((1, 1), [0, 1])]
+        """
+        position = DataPosition() if position is None else position
+        if not isinstance(position, DataPosition):
+            raise TypeError(f"Loader.iterate: position must be a DataPosition, got {type(position).__name__}")
+        if num_epochs is not None:
+            _check_int("num_epochs", num_epochs, minimum=0)
+        if self.batches_per_epoch == 0:
+            raise ValueError(
+                "Loader.iterate: an epoch has no batches (dataset smaller than one step with drop_last=True); "
+                "use a smaller batch size or drop_last=False"
+            )
+        if self.batches_per_epoch is not None:
+            position = position.normalized(self.batches_per_epoch)
+        epoch, index = position.as_tuple()
+        host = self._host_positions(epoch, index, num_epochs)
+        return self._on_device(host, lambda item: (item[0], self._move(item[1])))
+
+    def _host_positions(
+        self, epoch: int, index: int, num_epochs: int | None
+    ) -> Iterator[tuple[DataPosition, Any]]:
+        while num_epochs is None or epoch < num_epochs:
+            start = index
+            for batch in self._source.batches(epoch, start):
+                index += 1
+                yield DataPosition(epoch, index), batch
+            if start == 0 and index == 0:
+                raise ValueError(f"Loader.iterate: epoch {epoch} produced no batches; is the dataset empty?")
+            epoch, index = epoch + 1, 0
+
+    def _move(self, batch: Any) -> Any:
+        return to_device(batch, self.device)
+
+    def _on_device(self, items: Iterator[Any], transfer: Callable[[Any], Any]) -> Iterator[Any]:
+        if self.prefetch > 0:
+            return Prefetcher(items, transfer=transfer, size=self.prefetch, device=self.device)
+        return _mapped(items, transfer)
+
+
+def _mapped(items: Iterator[Any], transfer: Callable[[Any], Any]) -> Iterator[Any]:
+    try:
+        for item in items:
+            yield transfer(item)
+    finally:
+        close = getattr(items, "close", None)
+        if close is not None:
+            close()
+
+
+def _check_int(name: str, value: Any, *, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"Loader: {name} must be an int >= {minimum}, got {value!r}")

@@ -1,0 +1,201 @@
+"""Host-side batch sources: how one epoch's batches are produced, from a given batch index on.
+
+Three kinds of data, three ways to seek:
+
+- :class:`MapSource` (``__len__`` + ``__getitem__``): exact and arithmetic. The epoch's batches are
+  index lists computed by :mod:`functrain.data.order`; starting at batch ``i`` loads nothing before it.
+- :class:`IterableSource` (``torch.utils.data.IterableDataset``): no shuffling; resume *skips* ``i``
+  batches of a fresh pass (they are loaded and collated, then discarded). Exact only when the dataset
+  yields the same examples in the same order on every pass of the same epoch.
+- :class:`DataLoaderSource` (an existing ``torch.utils.data.DataLoader``, as it is): resume skips ``i``
+  batches too, and is exact only if the loader's order depends on nothing but the epoch.
+
+All of them hand index lists or datasets to ``torch.utils.data.DataLoader`` for worker processes and
+pinned memory rather than managing processes themselves.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
+
+from functrain import random
+from functrain.data.collate import collate, empty_batch
+from functrain.data.order import epoch_order, shard_batches
+from functrain.data.position import num_batches
+
+__all__ = ["DataLoaderSource", "IterableSource", "MapSource", "ResumeWarning"]
+
+
+class ResumeWarning(UserWarning):
+    """Resuming this data in the middle of an epoch may not reproduce the uninterrupted run."""
+
+
+def _worker_generator(key: torch.Tensor | None, epoch: int, start_index: int) -> torch.Generator:
+    # DataLoader draws each worker's base seed from this generator. Giving it one derived from the
+    # position keeps worker seeds reproducible and leaves the global RNG (seeded per step) untouched.
+    base = key if key is not None else random.key(0)
+    return random.generator(random.fold_in(random.fold_in(base, epoch), start_index))
+
+
+class MapSource:
+    """Batches of a map-style dataset: per-epoch permutation, sharded by rank, seekable by arithmetic."""
+
+    exact_resume = True
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int,
+        *,
+        shuffle: bool,
+        key: torch.Tensor | None,
+        drop_last: bool,
+        collate_fn: Callable[[list[Any]], Any] | None,
+        num_workers: int,
+        pin_memory: bool,
+        rank: int,
+        world_size: int,
+    ) -> None:
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.key = key
+        self.drop_last = drop_last
+        self.collate_fn = collate_fn
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.rank = rank
+        self.world_size = world_size
+        self.batches_per_epoch: int | None = num_batches(len(dataset), batch_size, drop_last, world_size)
+
+    def batch_indices(self, epoch: int) -> list[list[int]]:
+        """This rank's batches of ``epoch`` as dataset indices (the last may be short or empty)."""
+        order = epoch_order(len(self.dataset), epoch, self.key, self.shuffle)
+        return shard_batches(
+            order, self.batch_size, drop_last=self.drop_last, rank=self.rank, world_size=self.world_size
+        )
+
+    def batches(self, epoch: int, start_index: int) -> Iterator[Any]:
+        plan = self.batch_indices(epoch)[start_index:]
+        # Only the final step can leave this rank with nothing; DataLoader cannot collate zero samples.
+        trailing_empty = bool(plan) and not plan[-1]
+        if trailing_empty:
+            plan = plan[:-1]
+        if plan:
+            loader = DataLoader(
+                self.dataset,
+                batch_sampler=plan,
+                num_workers=self.num_workers,
+                collate_fn=self.collate_fn or collate,
+                pin_memory=self.pin_memory,
+                generator=_worker_generator(self.key, epoch, start_index),
+            )
+            yield from loader
+        if trailing_empty:
+            yield self._empty_batch()
+
+    def _empty_batch(self) -> Any:
+        if self.collate_fn is not None:
+            return self.collate_fn([])
+        return empty_batch(self.dataset[0])
+
+
+class IterableSource:
+    """Batches of an iterable dataset, in its own order; resume skips batches (not arithmetic)."""
+
+    exact_resume = False
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int,
+        *,
+        drop_last: bool,
+        collate_fn: Callable[[list[Any]], Any] | None,
+        num_workers: int,
+        pin_memory: bool,
+        key: torch.Tensor | None,
+    ) -> None:
+        self.dataset = dataset
+        self.key = key
+        self._loader_args = dict(
+            batch_size=batch_size,
+            drop_last=drop_last,
+            collate_fn=collate_fn or collate,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+        )
+        self.batches_per_epoch: int | None = None
+        if hasattr(dataset, "__len__"):
+            self.batches_per_epoch = num_batches(len(dataset), batch_size, drop_last)
+
+    def batches(self, epoch: int, start_index: int) -> Iterator[Any]:
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+        loader = DataLoader(
+            self.dataset, generator=_worker_generator(self.key, epoch, 0), **self._loader_args
+        )
+        yield from itertools.islice(loader, start_index, None)
+
+
+class DataLoaderSource:
+    """An existing ``DataLoader``, used as it is; resume skips batches (not arithmetic).
+
+    Each epoch calls ``set_epoch(epoch)`` on the sampler (or batch sampler, or dataset) when it has one,
+    as ``DistributedSampler`` does, so its order is the epoch's order whenever the process started.
+    """
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.loader = loader
+        try:
+            self.batches_per_epoch: int | None = len(loader)
+        except TypeError:
+            self.batches_per_epoch = None
+        self.exact_resume, reason = _resume_exactness(loader)
+        if not self.exact_resume:
+            warnings.warn(
+                f"Loader: resuming this DataLoader mid-epoch may not reproduce the uninterrupted run: "
+                f"{reason}. For exact, arithmetic resume pass the dataset itself: "
+                "functrain.data.Loader(dataset, batch_size, key=...)",
+                ResumeWarning,
+                stacklevel=4,
+            )
+
+    def batches(self, epoch: int, start_index: int) -> Iterator[Any]:
+        for owner in _epoch_owners(self.loader):
+            owner.set_epoch(epoch)
+        yield from itertools.islice(self.loader, start_index, None)
+
+
+def _epoch_owners(loader: DataLoader) -> Sequence[Any]:
+    candidates = (loader.sampler, loader.batch_sampler, getattr(loader.batch_sampler, "sampler", None))
+    owners = [c for c in candidates if c is not None and hasattr(c, "set_epoch")]
+    if hasattr(loader.dataset, "set_epoch"):
+        owners.append(loader.dataset)
+    return list({id(o): o for o in owners}.values())
+
+
+def _resume_exactness(loader: DataLoader) -> tuple[bool, str]:
+    if _epoch_owners(loader):
+        return True, ""
+    if isinstance(loader.dataset, IterableDataset):
+        return False, "it reads an IterableDataset, whose order is its own (it must repeat it each pass)"
+    sampler = getattr(loader.batch_sampler, "sampler", loader.sampler)
+    if isinstance(sampler, SequentialSampler):
+        return True, ""
+    if isinstance(sampler, RandomSampler):
+        if sampler.generator is None:
+            return False, (
+                "its RandomSampler has no generator, so each pass's order comes from the global RNG"
+            )
+        return False, (
+            "its RandomSampler's generator advances every epoch, so a restarted process draws "
+            "epoch 0's order again"
+        )
+    return False, f"its sampler {type(sampler).__name__} has no set_epoch(epoch)"
