@@ -55,12 +55,17 @@ def collate(samples: Sequence[Any]) -> Any:
             raise CollateError(_structure_message(samples[0], sample, i))
         for column, leaf in zip(columns, leaves):
             column.append(leaf)
-    paths = tree.paths(samples[0])
+    paths = _paths(samples[0])
     return tree.unflatten(spec, [_stack(path, column) for path, column in zip(paths, columns)])
 
 
+def _paths(sample: Any) -> list[str]:
+    # Accessor code such as sample['inputs'].image names namedtuple fields, where tree.paths gives [0].
+    return [accessor.codify("sample") for accessor in optree.tree_accessors(sample, namespace=tree.NAMESPACE)]
+
+
 def _structure_message(first: Any, other: Any, i: int) -> str:
-    first_paths, other_paths = set(tree.paths(first)), set(tree.paths(other))
+    first_paths, other_paths = set(_paths(first)), set(_paths(other))
     missing = sorted(first_paths - other_paths)
     extra = sorted(other_paths - first_paths)
     if missing or extra:
@@ -85,7 +90,7 @@ def _stack(path: str, values: list[Any]) -> Any:
     for i, value in enumerate(values):
         if not _same_kind(first, value):
             raise CollateError(
-                f"collate: batch element at path {path!r} is a {_type_name(first)} in sample 0 but a "
+                f"collate: batch element at path {path} is a {_type_name(first)} in sample 0 but a "
                 f"{_type_name(value)} in sample {i}; make the dataset return one type per field"
             )
     if isinstance(first, torch.Tensor):
@@ -93,7 +98,7 @@ def _stack(path: str, values: list[Any]) -> Any:
     if isinstance(first, np.ndarray):
         if first.dtype.kind not in "biufc":
             raise CollateError(
-                f"collate: batch element at path {path!r} is a numpy array of dtype {first.dtype}, "
+                f"collate: batch element at path {path} is a numpy array of dtype {first.dtype}, "
                 "which has no tensor equivalent; convert it to a numeric array in the dataset"
             )
         return torch.from_numpy(np.stack(_same_shapes(path, values, [v.shape for v in values])))
@@ -109,7 +114,7 @@ def _stack(path: str, values: list[Any]) -> Any:
     if isinstance(first, (str, bytes)):
         return list(values)
     raise CollateError(
-        f"collate: cannot collate batch element at path {path!r} of type {_type_name(first)}; "
+        f"collate: cannot collate batch element at path {path} of type {_type_name(first)}; "
         "return tensors, numpy arrays, numbers or strings from the dataset (convert it in __getitem__), "
         "or pass collate_fn= to handle it"
     )
@@ -135,7 +140,7 @@ def _same_shapes(path: str, values: list[Any], shapes: list[Any]) -> list[Any]:
     for i, shape in enumerate(shapes):
         if tuple(shape) != tuple(shapes[0]):
             raise CollateError(
-                f"collate: batch element at path {path!r} has shape {tuple(shapes[0])} in sample 0 but "
+                f"collate: batch element at path {path} has shape {tuple(shapes[0])} in sample 0 but "
                 f"{tuple(shape)} in sample {i}; pad or resize to one shape in the dataset, or pass a "
                 "collate_fn that pads"
             )
@@ -166,7 +171,7 @@ def empty_batch(sample: Any) -> Any:
         if isinstance(leaf, (str, bytes)):
             return []
         if _is_number(leaf):
-            return _stack("<root>", [leaf])[:0]
+            return _stack("sample", [leaf])[:0]
         raise CollateError(f"empty_batch: cannot make an empty batch of a {_type_name(leaf)}")
 
     return tree.map(one, sample)

@@ -1,0 +1,235 @@
+import warnings
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
+
+from functrain import random
+from functrain.data import DataPosition, Loader, ResumeWarning, num_batches, num_examples
+
+
+class Squares:
+    """A map-style dataset of dicts: enough structure to exercise collation."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return {"index": i, "x": torch.tensor([float(i), float(i * i)])}
+
+
+class Stream(IterableDataset):
+    def __init__(self, n):
+        self.n = n
+        self.epochs = []
+
+    def set_epoch(self, epoch):
+        self.epochs.append(epoch)
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+
+def indices(batches):
+    return [b["index"].tolist() for b in batches]
+
+
+def test_two_epochs_differ_and_the_same_key_repeats():
+    loader = Loader(Squares(40), 8, key=random.key(0), prefetch=0)
+    first, second = indices(loader.epoch(0)), indices(loader.epoch(1))
+    assert first != second
+    assert sorted(i for b in first for i in b) == sorted(i for b in second for i in b) == list(range(40))
+    again = Loader(Squares(40), 8, key=random.key(0), prefetch=0)
+    assert indices(again.epoch(1)) == second
+    other = Loader(Squares(40), 8, key=random.key(1), prefetch=0)
+    assert indices(other.epoch(1)) != second
+
+
+def test_batches_follow_the_documented_permutation():
+    key = random.key(5)
+    loader = Loader(Squares(10), 4, key=key, prefetch=0)
+    order = torch.randperm(10, generator=random.generator(random.fold_in(key, 2))).tolist()
+    assert indices(loader.epoch(2)) == [order[0:4], order[4:8], order[8:10]]
+    assert loader.batch_indices(2) == [order[0:4], order[4:8], order[8:10]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 30),
+    batch_size=st.integers(1, 6),
+    drop_last=st.booleans(),
+    world_size=st.integers(1, 3),
+    data=st.data(),
+)
+def test_resume_yields_exactly_the_rest_of_an_uninterrupted_run(n, batch_size, drop_last, world_size, data):
+    rank = data.draw(st.integers(0, world_size - 1))
+    per_epoch = num_batches(n, batch_size, drop_last, world_size)
+    if per_epoch == 0:
+        return
+    loader = Loader(
+        list(range(n)),
+        batch_size,
+        key=random.key(n),
+        drop_last=drop_last,
+        rank=rank,
+        world_size=world_size,
+        prefetch=0,
+    )
+    assert len(loader) == per_epoch
+    num_epochs = 3
+    full = [(p.as_tuple(), b.tolist()) for p, b in loader.iterate(num_epochs=num_epochs)]
+    assert len(full) == num_epochs * per_epoch
+    consumed = data.draw(st.integers(0, len(full)))
+    position = full[consumed - 1][0] if consumed else (0, 0)
+    resumed = [
+        (p.as_tuple(), b.tolist()) for p, b in loader.iterate(DataPosition(*position), num_epochs=num_epochs)
+    ]
+    assert resumed == full[consumed:]
+    epoch, index = DataPosition(*position).normalized(per_epoch).as_tuple()
+    if epoch < num_epochs:
+        assert [b.tolist() for b in loader.epoch(epoch, index)] == [
+            b for _, b in full[consumed : (epoch + 1) * per_epoch]
+        ]
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_sharded_loaders_cover_each_example_once_per_epoch(drop_last):
+    n, batch_size, world_size = 23, 3, 4
+    loaders = [
+        Loader(
+            Squares(n),
+            batch_size,
+            key=random.key(0),
+            drop_last=drop_last,
+            rank=r,
+            world_size=world_size,
+            prefetch=0,
+        )
+        for r in range(world_size)
+    ]
+    assert len({len(loader) for loader in loaders}) == 1
+    for epoch in range(2):
+        per_rank = [list(loader.epoch(epoch)) for loader in loaders]
+        assert all(len(batches) == len(loaders[0]) for batches in per_rank)
+        seen = Counter(i for batches in per_rank for b in batches for i in b["index"].tolist())
+        assert set(seen.values()) == {1}
+        assert len(seen) == (n if not drop_last else n // (batch_size * world_size) * batch_size * world_size)
+        if not drop_last:  # 23 = 2 * 12 + 11: the last step gives 3, 3, 3, 2
+            assert [num_examples(batches[-1]) for batches in per_rank] == [3, 3, 3, 2]
+
+
+def test_a_rank_without_examples_in_the_last_step_gets_an_empty_batch():
+    loaders = [Loader(Squares(3), 2, key=random.key(0), rank=r, world_size=4, prefetch=0) for r in range(4)]
+    last = [list(loader.epoch(0))[-1] for loader in loaders]
+    assert [num_examples(b) for b in last] == [1, 1, 1, 0]
+    assert last[3]["x"].shape == (0, 2) and last[3]["index"].dtype == torch.int64
+    assert sorted(i for b in last for i in b["index"].tolist()) == [0, 1, 2]
+
+
+def test_workers_give_the_same_batches_as_the_main_process():
+    kwargs = dict(batch_size=4, key=random.key(0), prefetch=0)
+    serial = list(Loader(Squares(18), **kwargs).epoch(1, start_index=1))
+    parallel = list(Loader(Squares(18), num_workers=2, **kwargs).epoch(1, start_index=1))
+    assert len(serial) == len(parallel) == 4
+    for a, b in zip(serial, parallel):
+        assert torch.equal(a["index"], b["index"]) and torch.equal(a["x"], b["x"])
+
+
+def test_prefetching_iterate_matches_the_unprefetched_one():
+    plain = Loader(Squares(10), 3, key=random.key(0), prefetch=0)
+    ahead = Loader(Squares(10), 3, key=random.key(0), prefetch=2, device="cpu")
+    a = [(p.as_tuple(), b["index"].tolist()) for p, b in plain.iterate(num_epochs=2)]
+    b = [(p.as_tuple(), b["index"].tolist()) for p, b in ahead.iterate(num_epochs=2)]
+    assert a == b and len(a) == 8
+
+
+def test_breaking_out_of_an_epoch_stops_its_thread():
+    iterator = Loader(Squares(50), 2, key=random.key(0)).epoch(0)
+    next(iterator)
+    iterator.close()
+    assert not iterator.running
+
+
+def test_dataset_errors_surface_in_the_consumer():
+    class Broken(Squares):
+        def __getitem__(self, i):
+            if i == 4:
+                raise IndexError("example 4 is corrupt")
+            return super().__getitem__(i)
+
+    with pytest.raises(IndexError, match="example 4 is corrupt"):
+        list(Loader(Broken(8), 2, shuffle=False).epoch(0))
+
+
+def test_iterable_dataset_resumes_by_skipping():
+    stream = Stream(10)
+    loader = Loader(stream, 3, prefetch=0)
+    assert not loader.exact_resume
+    assert loader.batches_per_epoch is None  # Stream has no __len__
+    full = [b.tolist() for b in loader.epoch(2)]
+    assert full == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    assert [b.tolist() for b in loader.epoch(2, start_index=2)] == full[2:]
+    assert stream.epochs == [2, 2]
+    with pytest.raises(TypeError, match="unknown"):
+        len(loader)
+    positions = [p.as_tuple() for p, _ in loader.iterate(DataPosition(0, 3), num_epochs=2)]
+    assert positions == [(0, 4), (1, 1), (1, 2), (1, 3), (1, 4)]
+
+
+def test_iterable_dataset_rejects_shuffle_and_sharding():
+    with pytest.raises(ValueError, match="shuffle=True is not possible for an iterable dataset"):
+        Loader(Stream(4), 2, shuffle=True)
+    with pytest.raises(ValueError, match="cannot be sharded"):
+        Loader(Stream(4), 2, world_size=2, rank=1)
+
+
+def test_wrapped_dataloader_with_set_epoch_resumes_exactly():
+    dataset = TensorDataset(torch.arange(12))
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loader = Loader(DataLoader(dataset, batch_size=5, sampler=sampler), prefetch=0)
+    assert loader.exact_resume and len(loader) == 3
+    epoch1 = [b[0].tolist() for b in loader.epoch(1)]
+    assert epoch1 != [b[0].tolist() for b in loader.epoch(0)]  # set_epoch was called
+    assert [b[0].tolist() for b in loader.epoch(1, start_index=1)] == epoch1[1:]
+
+
+def test_wrapped_dataloader_without_reproducible_order_warns():
+    dataset = TensorDataset(torch.arange(6))
+    with pytest.warns(ResumeWarning, match="RandomSampler has no generator"):
+        loader = Loader(DataLoader(dataset, batch_size=2, shuffle=True))
+    assert not loader.exact_resume
+    sequential = Loader(DataLoader(dataset, batch_size=2), prefetch=0)
+    assert sequential.exact_resume
+    assert [b[0].tolist() for b in sequential.epoch(0, 1)] == [[2, 3], [4, 5]]
+
+
+def test_wrapped_dataloader_refuses_batching_arguments():
+    with pytest.raises(ValueError, match="DataLoader together with batch_size, key"):
+        Loader(DataLoader(TensorDataset(torch.arange(4))), 2, key=random.key(0))
+
+
+def test_bad_arguments_name_themselves():
+    with pytest.raises(ValueError, match="shuffle=True needs key="):
+        Loader(Squares(4), 2)
+    with pytest.raises(ValueError, match="batch_size is required"):
+        Loader(Squares(4))
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
+        Loader(Squares(4), 0, shuffle=False)
+    with pytest.raises(ValueError, match="rank must be < world_size"):
+        Loader(Squares(4), 2, shuffle=False, rank=2, world_size=2)
+    with pytest.raises(TypeError, match="key must be a functrain random key"):
+        Loader(Squares(4), 2, key=0)
+    with pytest.raises(TypeError, match="map-style dataset"):
+        Loader(object(), 2)
+    with pytest.raises(ValueError, match="start_index=5 is past the end"):
+        Loader(Squares(4), 2, shuffle=False).epoch(0, 5)
+    with pytest.raises(ValueError, match="no batches"):
+        Loader(Squares(3), 4, shuffle=False, drop_last=True).iterate()
