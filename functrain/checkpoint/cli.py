@@ -1,0 +1,97 @@
+"""``functrain inspect`` and ``functrain export``: look into a checkpoint and convert its weights.
+
+``inspect`` reads only the header, so it is instant even for a large checkpoint.
+
+Example:
+    >>> import argparse
+    >>> parser = argparse.ArgumentParser(prog="functrain")
+    >>> register(parser.add_subparsers(dest="command"))
+    >>> args = parser.parse_args(["inspect", "run/step_00000100.ckpt"])
+    >>> args.func(args)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from functrain.checkpoint.errors import CheckpointError
+from functrain.checkpoint.file import read_header
+from functrain.checkpoint.interop import export
+
+__all__ = ["register"]
+
+
+def _size(nbytes: int) -> str:
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    header = read_header(args.checkpoint)
+    out = sys.stdout
+    print(f"checkpoint: {args.checkpoint}", file=out)
+    print(f"step: {header.step}", file=out)
+    print(f"format version: {header.format_version}", file=out)
+    print(f"written by: functrain {header.functrain_version}, torch {header.torch_version}", file=out)
+    if header.metrics:
+        print(f"metrics: {json.dumps(header.metrics)}", file=out)
+    if header.metadata:
+        print(f"metadata: {json.dumps(header.metadata)}", file=out)
+    print(f"tensors: {len(header.tensors)}, {_size(header.num_bytes)}", file=out)
+    width = max((len(t.path) for t in header.tensors), default=4)
+    for info in header.tensors:
+        dtype = str(info.dtype).removeprefix("torch.")
+        print(
+            f"  {info.path:<{width}}  {dtype:<16} {list(info.shape)!s:<20} {_size(info.nbytes):>10}", file=out
+        )
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    state_dict = export(args.checkpoint, args.output, format=args.format)
+    print(f"wrote {len(state_dict)} tensors to {args.output} ({args.format})")
+    return 0
+
+
+def _guarded(command: Any) -> Any:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return command(args)
+        except CheckpointError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 1
+
+    return run
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``inspect`` and ``export`` sub-commands to an argparse ``subparsers`` object.
+
+    Each sets ``func``: call ``args.func(args)``, which returns the exit status (1 with a message on
+    stderr for a bad checkpoint).
+
+    Example:
+        >>> parser = argparse.ArgumentParser()
+        >>> register(parser.add_subparsers())
+        >>> parser.parse_args(["export", "a.ckpt", "--format", "pt", "--output", "a.pt"]).format
+        'pt'
+    """
+    inspect = subparsers.add_parser(
+        "inspect", help="print a checkpoint's step, versions and tensors (header only)"
+    )
+    inspect.add_argument("checkpoint", metavar="CKPT", help="a functrain checkpoint file")
+    inspect.set_defaults(func=_guarded(_inspect))
+    export_parser = subparsers.add_parser(
+        "export", help="write a checkpoint's weights as safetensors or a .pt file"
+    )
+    export_parser.add_argument("checkpoint", metavar="CKPT", help="a functrain checkpoint file")
+    export_parser.add_argument("--format", choices=("safetensors", "pt"), required=True)
+    export_parser.add_argument("--output", metavar="PATH", required=True, help="the file to write")
+    export_parser.set_defaults(func=_guarded(_export))

@@ -1,0 +1,332 @@
+"""A folder of checkpoints: atomic (optionally asynchronous) saves, retention rules, latest and best.
+
+Each checkpoint is one file ``step_<step>.ckpt`` written through a temporary file and a rename, so the
+folder only ever holds complete checkpoints under their final names; temporary files a killed process
+left behind are removed when the next manager starts. Metrics live in each file's header and are read
+without loading tensors.
+
+Example:
+    >>> import tempfile, torch
+    >>> manager = CheckpointManager(tempfile.mkdtemp(), max_to_keep=1, best_metric="loss", keep_best=1)
+    >>> for step, loss in [(1, 0.5), (2, 0.9), (3, 0.7)]:
+    ...     manager.save(step, {"w": torch.ones(1) * step}, metrics={"loss": loss})
+    >>> manager.all_steps(), manager.latest(), manager.best()
+    ([1, 3], 3, 1)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import threading
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import torch
+
+from functrain.checkpoint import file as checkpoint_file
+from functrain.checkpoint import format as fmt
+from functrain.checkpoint import structure
+from functrain.checkpoint.atomic import atomic_write, fsync_directory, is_temporary
+from functrain.checkpoint.errors import CheckpointError
+from functrain.checkpoint.format import CheckpointHeader
+
+__all__ = ["CheckpointManager"]
+
+_NAME = re.compile(r"^step_(\d+)\.ckpt$")
+
+
+def _default_is_writer() -> bool:
+    """Rank 0 writes in a torch.distributed run; a single process always writes."""
+    distributed = torch.distributed
+    if distributed.is_available() and distributed.is_initialized():
+        return distributed.get_rank() == 0
+    return True
+
+
+class CheckpointManager:
+    """Save, keep and restore the checkpoints of one run in ``directory``.
+
+    Retention: the newest checkpoint is always kept; also the last ``max_to_keep`` (``None``: all),
+    every step that is a multiple of ``keep_every``, and the ``keep_best`` best by ``best_metric``
+    (``best_mode`` ``"min"`` or ``"max"``), each rule independent of the others.
+
+    With ``async_save=True``, :meth:`save` returns once tensors are copied to host memory and the file is
+    written by a background thread; at most one save is in flight, and a failure in the background is
+    raised by the next :meth:`save`, :meth:`wait_until_finished` or :meth:`close`. Only the process for
+    which ``is_writer`` is true writes (default: rank 0 of torch.distributed, else this process).
+
+    Example:
+        >>> with CheckpointManager("runs/a", max_to_keep=3, best_metric="val_loss") as manager:  # doctest: +SKIP
+        ...     manager.save(100, state, metrics={"val_loss": 0.31})
+        ...     state = manager.restore("best", target=state)
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        max_to_keep: int | None = 5,
+        keep_every: int | None = None,
+        best_metric: str | None = None,
+        best_mode: Literal["min", "max"] = "min",
+        keep_best: int = 1,
+        async_save: bool = False,
+        fsync: bool = True,
+        is_writer: bool | Callable[[], bool] | None = None,
+        chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES,
+    ) -> None:
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(
+                f"max_to_keep={max_to_keep} must be at least 1, or None to keep every checkpoint"
+            )
+        if keep_every is not None and keep_every < 1:
+            raise ValueError(f"keep_every={keep_every} must be a positive number of steps, or None")
+        if best_mode not in ("min", "max"):
+            raise ValueError(f"best_mode={best_mode!r} must be 'min' or 'max'")
+        if keep_best < 0:
+            raise ValueError(f"keep_best={keep_best} must be 0 or more")
+        self.directory = os.fspath(directory)
+        self.max_to_keep = max_to_keep
+        self.keep_every = keep_every
+        self.best_metric = best_metric
+        self.best_mode = best_mode
+        self.keep_best = keep_best
+        self.async_save = async_save
+        self.fsync = fsync
+        self.chunk_bytes = chunk_bytes
+        self._is_writer = _default_is_writer if is_writer is None else is_writer
+        self._headers: dict[str, tuple[tuple[int, int], CheckpointHeader | None]] = {}
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+        self._closed = False
+        if self.is_writer:
+            os.makedirs(self.directory, exist_ok=True)
+            self._remove_temporary_files()
+
+    # ----------------------------------------------------------------------------------------- queries
+
+    @property
+    def is_writer(self) -> bool:
+        """Whether this process writes and deletes checkpoints."""
+        return bool(self._is_writer() if callable(self._is_writer) else self._is_writer)
+
+    def path(self, step: int) -> str:
+        """The file of the checkpoint at ``step`` (it may not exist)."""
+        return os.path.join(self.directory, f"step_{step:010d}.ckpt")
+
+    def all_steps(self) -> list[int]:
+        """Steps of the complete checkpoints in the folder, ascending.
+
+        Example:
+            >>> manager.all_steps()  # doctest: +SKIP
+            [300, 400, 500]
+        """
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return []
+        return sorted(int(match.group(1)) for name in names if (match := _NAME.match(name)))
+
+    def latest(self) -> int | None:
+        """The newest step whose header reads, or ``None`` when the folder holds no checkpoint."""
+        for step in reversed(self.all_steps()):
+            if self._cached_header(step) is not None:
+                return step
+        return None
+
+    def header(self, step: int) -> CheckpointHeader:
+        """The header of the checkpoint at ``step`` (cached; no tensor is read)."""
+        header = self._cached_header(step)
+        if header is None:
+            raise CheckpointError(f"{self.path(step)}: no readable checkpoint at step {step}")
+        return header
+
+    def metrics(self, step: int) -> dict[str, Any]:
+        """The metrics saved with ``step``, read from its header.
+
+        Example:
+            >>> manager.metrics(500)  # doctest: +SKIP
+            {'val_loss': 0.31}
+        """
+        return dict(self.header(step).metrics)
+
+    def best(self, metric: str | None = None, mode: Literal["min", "max"] | None = None) -> int | None:
+        """The step with the best ``metric`` (default: ``best_metric``), or ``None`` if none recorded it."""
+        metric = metric or self.best_metric
+        if metric is None:
+            raise ValueError(
+                "best() needs a metric: pass best(metric=...) or CheckpointManager(best_metric=...)"
+            )
+        ranked = self._ranked(metric, mode or self.best_mode)
+        return ranked[0] if ranked else None
+
+    def _cached_header(self, step: int) -> CheckpointHeader | None:
+        """Read a header once per file version; an unreadable file is warned about and ignored."""
+        path = self.path(step)
+        try:
+            stat = os.stat(path)
+        except FileNotFoundError:
+            return None
+        version = (stat.st_mtime_ns, stat.st_size)
+        cached = self._headers.get(path)
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        try:
+            header: CheckpointHeader | None = checkpoint_file.read_header(path)
+        except CheckpointError as error:
+            warnings.warn(f"ignoring unreadable checkpoint: {error}", stacklevel=3)
+            header = None
+        self._headers[path] = (version, header)
+        return header
+
+    def _ranked(self, metric: str, mode: str) -> list[int]:
+        scored = []
+        for step in self.all_steps():
+            header = self._cached_header(step)
+            value = None if header is None else header.metrics.get(metric)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:  # not NaN
+                scored.append((value if mode == "min" else -value, -step, step))
+        return [step for *_, step in sorted(scored)]
+
+    # ----------------------------------------------------------------------------------------- saving
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        metrics: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Save ``state`` as the checkpoint of ``step`` (replacing one of the same step), then apply retention.
+
+        ``metrics`` are numbers (0-d tensors are converted); ``metadata`` is JSON-like and stored in the
+        header, e.g. ``{"tied_parameters": {"head.weight": "embed.weight"}}``.
+
+        Example:
+            >>> manager.save(int(state.step), state, metrics={"loss": loss})  # doctest: +SKIP
+        """
+        self._check_open()
+        self.wait_until_finished()
+        if isinstance(step, torch.Tensor):
+            step = int(step.item())
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"step={step!r} must be a non-negative int")
+        if not self.is_writer:
+            return
+        node, tensors = structure.encode(state)
+        if self.async_save:
+            # Copy off the device and away from tensors a donating step may overwrite; then return.
+            tensors = [(path, t.detach().to("cpu", copy=True)) for path, t in tensors]
+            self._thread = threading.Thread(
+                target=self._write_in_background,
+                args=(step, node, tensors, metrics, metadata),
+                name=f"functrain-checkpoint-step-{step}",
+            )
+            self._thread.start()
+        else:
+            self._write(step, node, tensors, metrics, metadata)
+
+    def _write_in_background(self, *args: Any) -> None:
+        try:
+            self._write(*args)
+        except BaseException as error:  # surfaced to the caller by the next call
+            self._failure = error
+
+    def _write(self, step: int, node: Any, tensors: list[Any], metrics: Any, metadata: Any) -> None:
+        path = self.path(step)
+        try:
+            with atomic_write(path, fsync=self.fsync) as file:
+                fmt.write(
+                    file,
+                    tree_node=node,
+                    tensors=tensors,
+                    step=step,
+                    metrics=metrics,
+                    metadata=metadata,
+                    chunk_bytes=self.chunk_bytes,
+                )
+        except OSError as error:
+            raise CheckpointError(f"{path}: could not write the checkpoint: {error}") from error
+        self._apply_retention()
+
+    def _apply_retention(self) -> None:
+        steps = self.all_steps()
+        if not steps:
+            return
+        keep = {steps[-1]}
+        keep.update(steps if self.max_to_keep is None else steps[-self.max_to_keep :])
+        if self.keep_every:
+            keep.update(s for s in steps if s % self.keep_every == 0)
+        if self.best_metric is not None and self.keep_best:
+            keep.update(self._ranked(self.best_metric, self.best_mode)[: self.keep_best])
+        removed = False
+        for step in steps:
+            if step not in keep:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(self.path(step))
+                self._headers.pop(self.path(step), None)
+                removed = True
+        if removed and self.fsync:
+            fsync_directory(self.directory)
+
+    def _remove_temporary_files(self) -> None:
+        for name in os.listdir(self.directory):
+            if is_temporary(name) and _NAME.match(name.split(".tmp-")[0]):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(self.directory, name))
+
+    def wait_until_finished(self) -> None:
+        """Block until the save in flight (if any) is written; raise its error if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            if isinstance(failure, CheckpointError):
+                raise failure
+            raise CheckpointError(f"the background checkpoint save failed: {failure!r}") from failure
+
+    def close(self) -> None:
+        """Finish the save in flight; further saves are refused."""
+        if not self._closed:
+            self._closed = True
+            self.wait_until_finished()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"CheckpointManager({self.directory!r}) is closed")
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------------------------------- restore
+
+    def restore(self, which: int | Literal["latest", "best"] = "latest", target: Any = None) -> Any:
+        """Load the checkpoint ``"latest"``, ``"best"`` or of a given step (see :func:`functrain.checkpoint.restore`).
+
+        Example:
+            >>> state = manager.restore("latest", target=state)  # doctest: +SKIP
+        """
+        self.wait_until_finished()
+        if which == "latest":
+            step = self.latest()
+        elif which == "best":
+            step = self.best()
+        elif isinstance(which, int) and not isinstance(which, bool):
+            step = which
+            if step not in self.all_steps():
+                raise CheckpointError(
+                    f"no checkpoint of step {step} in {self.directory}; have {self.all_steps()}"
+                )
+        else:
+            raise ValueError(f"which={which!r} must be 'latest', 'best' or a step number")
+        if step is None:
+            raise CheckpointError(f"no checkpoint to restore as {which!r} in {self.directory}")
+        return checkpoint_file.restore(self.path(step), target=target)

@@ -1,0 +1,272 @@
+"""How a pytree's shape is written into a checkpoint header, and read back, without pickle.
+
+A tree is described by nested msgpack lists, one per node, tagged by kind: containers (``dict``,
+``list``, ``tuple``, ``namedtuple``, ``struct``) hold their children; Python leaves (``None``, bools,
+ints, floats, complex numbers, strings, bytes) are stored inline; a tensor leaf holds the index of its
+entry in the header's tensor table. Only these tags exist, so reading a header can build nothing but
+plain containers, scalars and tensors.
+
+Paths name leaves the way :func:`functrain.tree.path_str` prints them; struct and named-tuple children
+are named by field (``opt_state[0].mu['fc.weight']``), which keeps error messages readable.
+
+Example:
+    >>> import torch
+    >>> node, tensors = encode({"w": torch.ones(2), "step": 3})
+    >>> [path for path, _ in tensors]
+    [('w',)]
+    >>> decode(node, [torch.zeros(2)])
+    {'w': tensor([0., 0.]), 'step': 3}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict, defaultdict, deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from functrain import tree
+from functrain.checkpoint.errors import CheckpointError
+
+__all__ = ["Path", "decode", "encode", "leaves_with_paths", "rebuild"]
+
+Path = tuple[Any, ...]
+_KEY_TYPES = (str, int, float, bool, type(None))
+_CONTAINER_TAGS = ("dict", "list", "tuple", "namedtuple", "struct")
+_INT_RANGE = (-(2**63), 2**64 - 1)  # what a msgpack integer holds
+
+
+def _is_namedtuple(obj: Any) -> bool:
+    return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
+
+
+def _children(obj: Any) -> tuple[str, list[tuple[Any, Any]]] | None:
+    """``(kind, [(key, child), ...])`` for a container, ``None`` for a leaf."""
+    if tree.is_struct(obj) and not isinstance(obj, type):
+        data, _static = obj.__functrain_struct__
+        return "struct", [(name, getattr(obj, name)) for name in data]
+    if _is_namedtuple(obj):
+        return "namedtuple", list(zip(obj._fields, obj))
+    if isinstance(obj, dict):
+        return "dict", list(obj.items())
+    if isinstance(obj, (list, deque)):
+        return "list", list(enumerate(obj))
+    if isinstance(obj, tuple):
+        return "tuple", list(enumerate(obj))
+    return None
+
+
+def _where(path: Path) -> str:
+    return tree.path_str(path)
+
+
+def _encode_leaf(obj: Any, path: Path, tensors: list[tuple[Path, torch.Tensor]]) -> list[Any]:
+    if isinstance(obj, torch.Tensor):
+        tensors.append((path, obj))
+        return ["tensor", len(tensors) - 1]
+    if obj is None:
+        return ["none"]
+    if isinstance(obj, bool):
+        return ["bool", obj]
+    if isinstance(obj, int):
+        if not _INT_RANGE[0] <= obj <= _INT_RANGE[1]:
+            raise CheckpointError(
+                f"{_where(path)}: the integer {obj} does not fit in 64 bits; store it as a string or a tensor"
+            )
+        return ["int", int(obj)]
+    if isinstance(obj, float):
+        return ["float", float(obj)]
+    if isinstance(obj, complex):
+        return ["complex", obj.real, obj.imag]
+    if isinstance(obj, str):
+        return ["str", str(obj)]
+    if isinstance(obj, (bytes, bytearray)):
+        return ["bytes", bytes(obj)]
+    raise CheckpointError(
+        f"{_where(path)}: cannot save a leaf of type {type(obj).__qualname__}; checkpoints hold tensors, "
+        "Python scalars, strings, bytes, None and containers (dict, list, tuple, named tuple, "
+        "@functrain.tree.struct). Convert it, or make its class a @functrain.tree.struct"
+    )
+
+
+def encode(obj: Any) -> tuple[list[Any], list[tuple[Path, torch.Tensor]]]:
+    """Describe ``obj`` as a msgpack-ready node; return it with its tensors and their paths, in order.
+
+    Static fields of a struct are configuration, not data, and are not saved.
+
+    Example:
+        >>> encode((1, None))[0]
+        ['tuple', [['int', 1], ['none']]]
+    """
+    tensors: list[tuple[Path, torch.Tensor]] = []
+
+    def walk(node: Any, path: Path) -> list[Any]:
+        found = _children(node)
+        if found is None:
+            return _encode_leaf(node, path, tensors)
+        kind, items = found
+        if kind == "dict":
+            for key, _ in items:
+                if not isinstance(key, _KEY_TYPES):
+                    raise CheckpointError(
+                        f"{_where(path)}: dict key {key!r} has type {type(key).__qualname__}; "
+                        "checkpoint dict keys must be str, int, float, bool or None"
+                    )
+            return ["dict", [[key, walk(child, (*path, key))] for key, child in items]]
+        children = [walk(child, (*path, key)) for key, child in items]
+        if kind in ("namedtuple", "struct"):
+            return [kind, type(node).__qualname__, [key for key, _ in items], children]
+        return [kind, children]
+
+    return walk(obj, ()), tensors
+
+
+def _expect(condition: bool, path: Path, what: str) -> None:
+    if not condition:
+        raise CheckpointError(f"malformed tree in header at {_where(path)}: {what}")
+
+
+def decode(
+    node: Any, tensors: Sequence[Any], *, skipped: Any = None, leaves: list[tuple[Path, Any]] | None = None
+) -> Any:
+    """Rebuild plain containers from a node made by :func:`encode`; tensor leaves come from ``tensors``.
+
+    Structs and named tuples come back as a dict of their fields and a tuple respectively; ``skipped``
+    stands in for a tensor whose slot in ``tensors`` is ``None`` (one that was not loaded). When
+    ``leaves`` is a list, every leaf is appended to it with its path (struct and named-tuple children
+    named by field, as :func:`leaves_with_paths` names them).
+
+    Example:
+        >>> decode(["struct", "Point", ["x"], [["float", 1.0]]], [])
+        {'x': 1.0}
+    """
+    used: set[int] = set()
+
+    def walk(item: Any, path: Path) -> Any:
+        value = walk_node(item, path)
+        if leaves is not None and item[0] not in _CONTAINER_TAGS:
+            leaves.append((path, value))
+        return value
+
+    def walk_node(item: Any, path: Path) -> Any:
+        _expect(isinstance(item, list) and item and isinstance(item[0], str), path, "expected a tagged list")
+        tag, args = item[0], item[1:]
+        try:
+            if tag == "tensor":
+                (index,) = args
+                _expect(type(index) is int and 0 <= index < len(tensors), path, f"bad tensor index {index!r}")
+                _expect(index not in used, path, f"tensor {index} is used twice")
+                used.add(index)
+                value = tensors[index]
+                return skipped if value is None else value
+            if tag == "none":
+                _expect(not args, path, "'none' takes no value")
+                return None
+            if tag in ("bool", "int", "float", "str", "bytes"):
+                (value,) = args
+                expected = {"bool": bool, "int": int, "float": float, "str": str, "bytes": bytes}[tag]
+                _expect(type(value) is expected, path, f"{tag} leaf holds a {type(value).__qualname__}")
+                return value
+            if tag == "complex":
+                real, imag = args
+                _expect(type(real) is float and type(imag) is float, path, "complex parts must be floats")
+                return complex(real, imag)
+            if tag == "dict":
+                (pairs,) = args
+                _expect(isinstance(pairs, list), path, "dict items must be a list")
+                out = {}
+                for pair in pairs:
+                    _expect(isinstance(pair, list) and len(pair) == 2, path, "dict item must be [key, value]")
+                    key, child = pair
+                    _expect(isinstance(key, _KEY_TYPES), path, f"dict key of type {type(key).__qualname__}")
+                    out[key] = walk(child, (*path, key))
+                return out
+            if tag in ("list", "tuple"):
+                (children,) = args
+                _expect(isinstance(children, list), path, f"{tag} children must be a list")
+                values = [walk(child, (*path, i)) for i, child in enumerate(children)]
+                return values if tag == "list" else tuple(values)
+            if tag in ("namedtuple", "struct"):
+                _name, fields, children = args
+                _expect(
+                    isinstance(fields, list)
+                    and isinstance(children, list)
+                    and len(fields) == len(children)
+                    and all(isinstance(f, str) for f in fields),
+                    path,
+                    f"{tag} needs as many string field names as children",
+                )
+                values = [walk(child, (*path, f)) for f, child in zip(fields, children)]
+                return tuple(values) if tag == "namedtuple" else dict(zip(fields, values))
+        except (ValueError, TypeError) as error:  # wrong number of arguments in a crafted node
+            raise CheckpointError(
+                f"malformed tree in header at {_where(path)}: {tag!r} node: {error}"
+            ) from None
+        raise CheckpointError(f"malformed tree in header at {_where(path)}: unknown node kind {tag!r}")
+
+    try:
+        result = walk(node, ())
+    except RecursionError:
+        raise CheckpointError("malformed tree in header: nested too deeply") from None
+    if len(used) != len(tensors):
+        raise CheckpointError(
+            f"malformed tree in header: {len(tensors) - len(used)} tensor(s) of the table are not in the tree"
+        )
+    return result
+
+
+def leaves_with_paths(obj: Any) -> list[tuple[Path, Any]]:
+    """Every leaf of ``obj`` (``None`` included) with its path, in the order :func:`encode` visits them.
+
+    Example:
+        >>> leaves_with_paths({"a": [1, None]})
+        [(('a', 0), 1), (('a', 1), None)]
+    """
+    out: list[tuple[Path, Any]] = []
+
+    def walk(node: Any, path: Path) -> None:
+        found = _children(node)
+        if found is None:
+            out.append((path, node))
+            return
+        for key, child in found[1]:
+            walk(child, (*path, key))
+
+    walk(obj, ())
+    return out
+
+
+def rebuild(target: Any, leaf_fn: Callable[[Path, Any], Any]) -> Any:
+    """A copy of ``target`` with every leaf replaced by ``leaf_fn(path, leaf)``; containers keep their types.
+
+    Struct static fields, named-tuple types and dict subclasses come from ``target``.
+
+    Example:
+        >>> rebuild({"a": (1, 2)}, lambda path, leaf: leaf * 10)
+        {'a': (10, 20)}
+    """
+
+    def walk(node: Any, path: Path) -> Any:
+        found = _children(node)
+        if found is None:
+            return leaf_fn(path, node)
+        kind, items = found
+        values = [walk(child, (*path, key)) for key, child in items]
+        if kind == "struct":
+            return dataclasses.replace(node, **{key: v for (key, _), v in zip(items, values)})
+        if kind == "namedtuple":
+            return type(node)(*values)
+        if kind == "dict":
+            pairs = [(key, v) for (key, _), v in zip(items, values)]
+            if isinstance(node, defaultdict):
+                return defaultdict(node.default_factory, pairs)
+            if isinstance(node, OrderedDict):
+                return type(node)(pairs)
+            return dict(pairs) if type(node) is dict else type(node)(pairs)
+        if isinstance(node, deque):
+            return deque(values, maxlen=node.maxlen)
+        return type(node)(values)
+
+    return walk(target, ())
