@@ -1,0 +1,149 @@
+"""Optimizers as optax-style gradient transformations over pytrees of tensors.
+
+``init(params) -> state`` and ``update(grads, state, params) -> (updates, state)`` are pure functions:
+they compile together with the forward and backward pass into one ``torch.compile(fullgraph=True)`` graph.
+Learning rates and weight decays live in the state as 0-d tensors (:func:`hyperparams`,
+:func:`set_hyperparams`), schedules are tensor functions of the state's step count, and every step count is
+a 0-d int64 tensor, so nothing that changes between steps triggers a recompile.
+
+Example:
+    >>> import torch
+    >>> from functrain import optim
+    >>> params = {"w": torch.ones(3)}
+    >>> tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-3, weight_decay=0.01))
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({"w": torch.ones(3)}, state, params)
+    >>> params = optim.apply_updates(params, updates)
+
+Modules: ``base`` (the pair, ``chain``, ``apply_updates``), ``transforms`` (the building blocks),
+``clipping``, ``schedules``, ``hyperparams``, ``masking`` (``multi_transform``, ``masked``, ``freeze``),
+``selection`` (masks and labels by parameter name or module index), ``finite`` (``skip_not_finite``),
+``aliases`` (``sgd``, ``adam``, ``adamw``, ``rmsprop``, ``adagrad``, ``lion``, ``lamb``).
+"""
+
+from functrain.optim.aliases import adagrad, adam, adamw, lamb, lion, rmsprop, sgd
+from functrain.optim.base import (
+    EmptyState,
+    GradientTransformation,
+    OptState,
+    ScalarOrSchedule,
+    Schedule,
+    apply_updates,
+    chain,
+    identity,
+    set_to_zero,
+)
+from functrain.optim.clipping import clip, clip_by_global_norm
+from functrain.optim.finite import SkipNotFiniteState, all_finite, skip_not_finite
+from functrain.optim.hyperparams import hyperparam_field, hyperparams, set_hyperparams
+from functrain.optim.masking import (
+    FreezeState,
+    MaskedState,
+    MultiTransformState,
+    freeze,
+    masked,
+    multi_transform,
+)
+from functrain.optim.schedules import (
+    constant_schedule,
+    cosine_decay_schedule,
+    exponential_decay,
+    join_schedules,
+    linear_schedule,
+    one_cycle_schedule,
+    piecewise_constant_schedule,
+    polynomial_schedule,
+    warmup_cosine_decay_schedule,
+)
+from functrain.optim.selection import (
+    Pattern,
+    batchnorm_param_names,
+    labels_by_name,
+    mask_by_name,
+    names_by_module_index,
+    param_names,
+)
+from functrain.optim.transforms import (
+    AddDecayedWeightsState,
+    LearningRateState,
+    ScaleByAdagradState,
+    ScaleByAdamState,
+    ScaleByLionState,
+    ScaleByRmsState,
+    ScheduledLearningRateState,
+    TraceState,
+    add_decayed_weights,
+    scale,
+    scale_by_adagrad,
+    scale_by_adam,
+    scale_by_learning_rate,
+    scale_by_lion,
+    scale_by_rms,
+    scale_by_trust_ratio,
+    trace,
+)
+
+__all__ = [
+    "AddDecayedWeightsState",
+    "EmptyState",
+    "FreezeState",
+    "GradientTransformation",
+    "LearningRateState",
+    "MaskedState",
+    "MultiTransformState",
+    "OptState",
+    "Pattern",
+    "ScalarOrSchedule",
+    "ScaleByAdagradState",
+    "ScaleByAdamState",
+    "ScaleByLionState",
+    "ScaleByRmsState",
+    "Schedule",
+    "ScheduledLearningRateState",
+    "SkipNotFiniteState",
+    "TraceState",
+    "adagrad",
+    "adam",
+    "adamw",
+    "add_decayed_weights",
+    "all_finite",
+    "apply_updates",
+    "batchnorm_param_names",
+    "chain",
+    "clip",
+    "clip_by_global_norm",
+    "constant_schedule",
+    "cosine_decay_schedule",
+    "exponential_decay",
+    "freeze",
+    "hyperparam_field",
+    "hyperparams",
+    "identity",
+    "join_schedules",
+    "labels_by_name",
+    "lamb",
+    "linear_schedule",
+    "lion",
+    "mask_by_name",
+    "masked",
+    "multi_transform",
+    "names_by_module_index",
+    "one_cycle_schedule",
+    "param_names",
+    "piecewise_constant_schedule",
+    "polynomial_schedule",
+    "rmsprop",
+    "scale",
+    "scale_by_adagrad",
+    "scale_by_adam",
+    "scale_by_learning_rate",
+    "scale_by_lion",
+    "scale_by_rms",
+    "scale_by_trust_ratio",
+    "set_hyperparams",
+    "set_to_zero",
+    "sgd",
+    "skip_not_finite",
+    "trace",
+    "warmup_cosine_decay_schedule",
+]
