@@ -1,0 +1,252 @@
+"""`jit`: compile a pure step into one graph, seed its randomness, count compilations, donate buffers.
+
+Example:
+    >>> import torch, functrain as ft
+    >>> model = torch.nn.Linear(4, 2)
+    >>> state = ft.TrainState.create(model, ft.optim.adam(1e-3))
+    >>> step = ft.jit(ft.make_train_step(model, ft.supervised_loss(torch.nn.functional.cross_entropy)))
+    >>> state, metrics = step(state, (torch.randn(8, 4), torch.randint(0, 2, (8,))))  # compiles once
+    >>> step.num_compiles
+    1
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+import torch._dynamo
+
+from functrain import random, tree
+
+__all__ = ["CompiledStep", "DonatedStateError", "GraphBreakError", "RecompileError", "jit"]
+
+
+class RecompileError(RuntimeError):
+    """A compiled step compiled more often than its ``max_compiles``; the message names the cause."""
+
+
+class GraphBreakError(RuntimeError):
+    """The step cannot be captured as one graph under ``fullgraph=True``; the message says why."""
+
+
+class DonatedStateError(RuntimeError):
+    """A state was passed to a donating step after an earlier call had consumed it."""
+
+
+def _default_rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return 0
+
+
+class CompiledStep:
+    """A step function wrapped by :func:`jit`. Call it like the step: ``step(state, *args)``.
+
+    Attributes:
+        num_compiles: graphs compiled so far (1 after the first call at a fixed shape).
+        compile_reasons: for each recompilation, the guard that failed (what changed).
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        compile: bool = True,
+        donate: bool = False,
+        fullgraph: bool = True,
+        dynamic: bool | None = False,
+        mode: str | None = None,
+        options: dict[str, Any] | None = None,
+        max_compiles: int = 8,
+        on_max_compiles: Literal["raise", "warn"] = "raise",
+        seed: bool = True,
+        rank: int | None = None,
+    ) -> None:
+        if on_max_compiles not in ("raise", "warn"):
+            raise ValueError(f"on_max_compiles must be 'raise' or 'warn', got {on_max_compiles!r}")
+        self.fn = fn
+        self.compile = compile
+        self.donate = donate
+        self.max_compiles = max_compiles
+        self.on_max_compiles = on_max_compiles
+        self.seed = seed
+        self.rank = rank
+        self.num_compiles = 0
+        self.compile_reasons: list[str] = []
+        self._donated: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._warned = False
+        functools.update_wrapper(self, fn)
+        target = _donating(fn) if donate else fn
+        self._eager = target
+        if compile:
+            config = dict(torch._inductor.list_mode_options(mode)) if mode else {}
+            config.update(options or {})
+            backend = functools.partial(self._backend, config=config)
+            self._compiled = torch.compile(target, fullgraph=fullgraph, dynamic=dynamic, backend=backend)
+        else:
+            self._compiled = target
+
+    # The counting backend: every graph the step compiles passes through here.
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any], *, config: dict[str, Any]) -> Any:
+        from torch._inductor.compile_fx import compile_fx
+
+        self.num_compiles += 1
+        if self.num_compiles > 1:
+            self.compile_reasons.append(self._last_guard_failure())
+        if self.num_compiles > self.max_compiles:
+            msg = (
+                f"{self.__name__}: compiled {self.num_compiles} times (max_compiles={self.max_compiles}). "
+                f"Last cause: {self.compile_reasons[-1] if self.compile_reasons else 'unknown'}. A Python "
+                "number that changes between calls (keep it a 0-d tensor in the state), a batch whose shape "
+                "changes (pad it, drop_last=True, or jit(..., dynamic=True)) or a new state structure each "
+                "trigger a recompilation."
+            )
+            if self.on_max_compiles == "raise":
+                raise RecompileError(msg)
+            if not self._warned:
+                warnings.warn(msg, stacklevel=2)
+                self._warned = True
+        return compile_fx(gm, example_inputs, config_patches=config or None)
+
+    def _last_guard_failure(self) -> str:
+        from torch._dynamo.utils import guard_failures
+
+        code = getattr(self._eager, "__code__", None)
+        reasons = guard_failures.get(code) if code is not None else None
+        if not reasons:
+            return "unknown (set TORCH_LOGS=recompiles for details)"
+        return " ".join(str(reasons[-1]).split())[:500]
+
+    def __call__(self, state: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.donate:
+            if state in self._donated:
+                raise DonatedStateError(
+                    f"{self.__name__}: this state was donated to an earlier call, which wrote its results "
+                    "into the state's tensors; use the state that call returned (or jit(..., donate=False))"
+                )
+        if self.seed and hasattr(state, "rng"):
+            rank = self.rank if self.rank is not None else _default_rank()
+            torch.manual_seed(random.step_seed(state.rng, state.step, rank))
+        try:
+            with torch._dynamo.config.patch(recompile_limit=max(64, self.max_compiles + 1)):
+                out = self._compiled(state, *args, **kwargs)
+        except RecompileError:
+            raise
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            inner = e.__cause__ or getattr(e, "inner_exception", None)
+            if isinstance(inner, RecompileError):
+                raise inner from None
+            raise
+        except torch._dynamo.exc.Unsupported as e:
+            raise self._explain(e, state, args, kwargs) from e
+        if self.donate:
+            self._donated.add(state)
+        return out
+
+    def _explain(self, error: Exception, state: Any, args: tuple, kwargs: dict) -> Exception:
+        # Dynamo reports a Python exception raised while tracing as "Unsupported: Observed exception".
+        # Running the step eagerly once recovers the real error (with functrain's own message); if the
+        # eager run succeeds, the step really is not capturable as one graph.
+        try:
+            self._eager(state, *args, **kwargs)
+        except Exception as eager_error:
+            return eager_error
+        first = str(error).strip().splitlines()
+        return GraphBreakError(
+            f"{self.__name__} cannot be compiled as one graph (fullgraph=True): "
+            + " ".join(line.strip() for line in first[:6])
+            + ". Remove the construct named above from the step (print, .item(), data-dependent Python "
+            "control flow, unsupported calls), or debug with jit(..., compile=False)."
+        )
+
+    def __repr__(self) -> str:
+        how = "compiled" if self.compile else "eager"
+        return f"CompiledStep({self.__name__}, {how}, donate={self.donate}, compiles={self.num_compiles})"
+
+
+def _donating(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a step so it writes the new state into the incoming state's tensors (JAX's donation)."""
+
+    @functools.wraps(fn)
+    def donating_step(state: Any, *args: Any, **kwargs: Any) -> Any:
+        new_state, *rest = fn(state, *args, **kwargs)
+        old_leaves, spec = tree.flatten(state)
+        new_leaves, new_spec = tree.flatten(new_state)
+        if spec != new_spec:
+            return (new_state, *rest)
+        merged = []
+        for old, new in zip(old_leaves, new_leaves):
+            if (
+                isinstance(old, torch.Tensor)
+                and isinstance(new, torch.Tensor)
+                and old.shape == new.shape
+                and old.dtype == new.dtype
+                and old.device == new.device
+                and old is not new
+            ):
+                old.copy_(new)
+                merged.append(old)
+            else:
+                merged.append(new)
+        return (tree.unflatten(spec, merged), *rest)
+
+    return donating_step
+
+
+def jit(
+    fn: Callable[..., Any] | None = None,
+    *,
+    compile: bool = True,
+    donate: bool = False,
+    fullgraph: bool = True,
+    dynamic: bool | None = False,
+    mode: str | None = None,
+    options: dict[str, Any] | None = None,
+    max_compiles: int = 8,
+    on_max_compiles: Literal["raise", "warn"] = "raise",
+    seed: bool = True,
+    rank: int | None = None,
+) -> Any:
+    """Compile a pure step ``fn(state, *args)`` with ``torch.compile(fullgraph=True)``.
+
+    Before each call the global generator is seeded from ``(state.rng, state.step, rank)``, so dropout
+    is reproducible: the same state and batch give the same result, and a resumed run continues the
+    same random sequence. (Compiled and eager steps draw different masks from the same seed.)
+
+    Args:
+        compile: ``False`` runs the step eagerly (debugging) with the same seeding and donation.
+        donate: write the new state into the incoming state's tensors, as JAX's ``donate_argnums``:
+            about half the peak memory of a pure step. The incoming state must not be used again; passing
+            it again raises :class:`DonatedStateError`.
+        fullgraph: require one graph (default); a graph break raises :class:`GraphBreakError`.
+        dynamic: passed to ``torch.compile`` (``False``: specialise on shapes, the fastest kernels).
+        mode, options: inductor mode (``"max-autotune"``, ...) and config options.
+        max_compiles: compilations allowed before :class:`RecompileError` (or a warning); the error names
+            the guard that failed.
+        seed: seed the step's randomness from the state (on by default).
+        rank: the process rank folded into the seed (default: ``torch.distributed`` rank or 0).
+
+    Example:
+        >>> fast_step = jit(train_step, donate=True)
+        >>> debug_step = jit(train_step, compile=False)
+    """
+    kwargs = dict(
+        compile=compile,
+        donate=donate,
+        fullgraph=fullgraph,
+        dynamic=dynamic,
+        mode=mode,
+        options=options,
+        max_compiles=max_compiles,
+        on_max_compiles=on_max_compiles,
+        seed=seed,
+        rank=rank,
+    )
+    if fn is None:
+        return lambda f: CompiledStep(f, **kwargs)
+    return CompiledStep(fn, **kwargs)

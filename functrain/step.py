@@ -1,0 +1,425 @@
+"""Pure step functions: ``train_step(state, batch) -> (state, metrics)`` and ``eval_step(state, batch)``.
+
+A step is built from a model (or an apply function) and a *loss function* that receives a callable
+running the model with the state's weights, and the batch — the same shape as Hugging Face's and Towhee's
+``compute_loss(model, inputs)``::
+
+    def loss_fn(model, batch):
+        x, y = batch
+        logits = model(x)
+        return F.cross_entropy(logits, y), {"preds": logits, "target": y}
+
+A loss function returns the loss (a 0-d tensor, the *mean* over the batch's examples) or ``(loss, aux)``
+with ``aux`` a dict. Recognised ``aux`` entries: ``"preds"`` and ``"target"`` (fed to metrics; ``"preds"``
+is what ``predict`` returns), ``"metrics"`` (a dict of extra 0-d tensors reported with the loss). The
+step never syncs the host: every metric leaves it as a tensor.
+
+Example:
+    >>> import torch, functrain as ft
+    >>> model = torch.nn.Linear(4, 3)
+    >>> tx = ft.optim.sgd(0.1)
+    >>> state = ft.TrainState.create(model, tx)
+    >>> step = ft.make_train_step(model, ft.supervised_loss(torch.nn.CrossEntropyLoss()))
+    >>> state, metrics = step(state, (torch.randn(8, 4), torch.randint(0, 3, (8,))))
+    >>> sorted(metrics)
+    ['grad_norm', 'loss']
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad_and_value
+
+from functrain import tree
+from functrain.optim import all_finite, apply_updates
+from functrain.precision import autocast_dtype
+
+__all__ = [
+    "LossFn",
+    "make_eval_step",
+    "make_predict_step",
+    "make_train_step",
+    "num_examples",
+    "split_batch",
+    "supervised_loss",
+]
+
+Batch = Any
+LossFn = Callable[[Callable[..., Any], Batch], Any]
+ApplyFn = Callable[..., Any]  # apply(params, buffers, *inputs) -> outputs
+
+_INPUT_KEYS = ("input", "inputs", "x", "image", "images", "pixel_values", "features")
+_TARGET_KEYS = ("target", "targets", "label", "labels", "y", "mask", "masks")
+
+
+# ------------------------------------------------------------------------------------------ batches
+
+
+def _inputs_and_target(batch: Batch) -> tuple[Any, Any]:
+    if isinstance(batch, Mapping):
+        x = next((batch[k] for k in _INPUT_KEYS if k in batch), None)
+        y = next((batch[k] for k in _TARGET_KEYS if k in batch), None)
+        if x is None or y is None:
+            raise KeyError(
+                f"supervised batch dict needs an input key (one of {_INPUT_KEYS}) and a target key (one of "
+                f"{_TARGET_KEYS}); got keys {sorted(batch)}. Pass your own loss_fn(model, batch) otherwise."
+            )
+        return x, y
+    if isinstance(batch, Sequence) and not isinstance(batch, str) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise TypeError(
+        f"supervised batch must be (inputs, target) or a dict with input/target keys, got "
+        f"{type(batch).__name__}; write a loss_fn(model, batch) for other layouts"
+    )
+
+
+def supervised_loss(criterion: Callable[[Any, Any], torch.Tensor]) -> LossFn:
+    """A loss function for ``(inputs, target)`` batches (or dicts with ``input``/``target`` keys).
+
+    Example:
+        >>> loss_fn = supervised_loss(torch.nn.CrossEntropyLoss(label_smoothing=0.1))
+    """
+
+    def loss_fn(model: Callable[..., Any], batch: Batch) -> tuple[torch.Tensor, dict[str, Any]]:
+        x, y = _inputs_and_target(batch)
+        preds = model(x)
+        return criterion(preds, y), {"preds": preds, "target": y}
+
+    loss_fn.criterion = criterion  # type: ignore[attr-defined]
+    return loss_fn
+
+
+def num_examples(batch: Batch) -> int:
+    """The batch's leading dimension (read from shapes: static under ``torch.compile``)."""
+    for x in tree.leaves(batch):
+        if isinstance(x, torch.Tensor) and x.ndim > 0:
+            return int(x.shape[0])
+    raise ValueError("cannot count the examples of a batch without any tensor of rank >= 1")
+
+
+def split_batch(batch: Batch, k: int) -> list[Batch]:
+    """Split every tensor of ``batch`` into ``k`` micro-batches along dim 0 (sizes may differ by one)."""
+    n = num_examples(batch)
+    if k > n:
+        raise ValueError(f"cannot accumulate over {k} micro-batches: the batch has only {n} examples")
+
+    def chunk(i: int) -> Batch:
+        return tree.map(lambda x: x.tensor_split(k)[i] if isinstance(x, torch.Tensor) and x.ndim > 0 else x, batch)
+
+    return [chunk(i) for i in range(k)]
+
+
+def _split_loss_output(out: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping):
+        loss, aux = out
+    elif isinstance(out, torch.Tensor):
+        loss, aux = out, {}
+    else:
+        raise TypeError(
+            f"the loss function must return a 0-d tensor or (loss, aux_dict); got {type(out).__name__}"
+        )
+    if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(
+            f"the loss must be a 0-d tensor (the mean over the batch), got shape {shape}; reduce it with "
+            ".mean() (or reduction='mean' in a torch.nn loss)"
+        )
+    if not loss.is_floating_point():
+        raise TypeError(f"the loss must be a floating-point tensor, got {loss.dtype}")
+    return loss, dict(aux)
+
+
+# ------------------------------------------------------------------------------------------ models
+
+
+def _expected_names(model: nn.Module | None) -> frozenset[str] | None:
+    if model is None:
+        return None
+    names = {n for n, _ in model.named_parameters()} | {n for n, b in model.named_buffers() if b is not None}
+    return frozenset(names)
+
+
+def _check_state_matches(state: Any, expected: frozenset[str] | None) -> None:
+    if expected is None:
+        return
+    have = set(state.params) | set(state.buffers)
+    if have != expected:
+        missing = sorted(expected - have)[:8]
+        unexpected = sorted(have - expected)[:8]
+        raise ValueError(
+            "the state does not belong to this model: "
+            f"missing {missing}, unexpected {unexpected}. Create the state with "
+            "TrainState.create(model, tx) from the same model the step was built with."
+        )
+
+
+def _make_call(model: nn.Module | ApplyFn, params: dict, buffers: dict) -> Callable[..., Any]:
+    if isinstance(model, nn.Module):
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return functional_call(model, (params, buffers), args, kwargs, tie_weights=True, strict=False)
+
+    else:
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return model(params, buffers, *args, **kwargs)
+
+    return call
+
+
+def _set_mode(model: nn.Module | ApplyFn, training: bool, freeze_batchnorm: bool = False) -> None:
+    if not isinstance(model, nn.Module):
+        return
+    model.train(training)
+    if training and freeze_batchnorm:
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.eval()
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def _device_of(params: Mapping[str, torch.Tensor]) -> torch.device:
+    for x in params.values():
+        return x.device
+    return torch.device("cpu")
+
+
+# ------------------------------------------------------------------------------------------ train
+
+
+def make_train_step(
+    model: nn.Module | ApplyFn,
+    loss_fn: LossFn,
+    *,
+    accumulate: int = 1,
+    precision: str | None = None,
+    metrics: Any = None,
+    freeze_batchnorm: bool = False,
+) -> Callable[[Any, Batch], tuple[Any, dict[str, torch.Tensor]]]:
+    """Build a pure ``train_step(state, batch) -> (new_state, metrics)``.
+
+    One call runs forward, backward and the optimizer update (``state.tx``); compiled with
+    :func:`functrain.jit` it is a single graph.
+
+    Args:
+        model: an ``nn.Module`` (run with ``torch.func.functional_call`` on the state's params and
+            buffers) or an apply function ``apply(params, buffers, *inputs) -> outputs``.
+        loss_fn: ``loss_fn(model_call, batch) -> loss | (loss, aux)`` (see the module docstring).
+        accumulate: split each batch into this many micro-batches along dim 0 and sum their gradients,
+            each weighted by its share of the examples, before one optimizer update: the gradient equals
+            the whole batch's, with the activation memory of one micro-batch at a time.
+        precision: ``None``/``"no"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast and dynamic loss
+            scaling; the state needs ``loss_scale=LossScale.create()``).
+        metrics: a metric collection (``functrain.metrics``); its state lives in ``state.metrics`` and is
+            updated inside the step from the loss function's ``preds``/``target``.
+        freeze_batchnorm: keep BatchNorm layers in eval mode while training (statistics frozen).
+
+    Returns:
+        ``train_step``; ``metrics`` holds ``loss`` (example-weighted over micro-batches),
+        ``grad_norm`` (before clipping), the loss function's extra metrics and, with fp16,
+        ``loss_scale``.
+
+    Example:
+        >>> step = make_train_step(model, supervised_loss(torch.nn.functional.cross_entropy), accumulate=2)
+    """
+    if not isinstance(accumulate, int) or accumulate < 1:
+        raise ValueError(f"accumulate must be a positive int, got {accumulate!r}")
+    cast = autocast_dtype(precision)
+    expected = _expected_names(model if isinstance(model, nn.Module) else None)
+
+    def loss_of(params: dict, buffers: dict, batch: Batch, scale: torch.Tensor | None) -> Any:
+        # Buffers are inputs of the differentiated function and cloned, so modules that update them in
+        # place (BatchNorm) write into the clones, which leave as auxiliary output.
+        buffers = {k: v.clone() for k, v in buffers.items()}
+        with _autocast(_device_of(params), cast):
+            loss, aux = _split_loss_output(loss_fn(_make_call(model, params, buffers), batch))
+        loss = loss.float()
+        scaled = loss * scale if scale is not None else loss
+        return scaled, (loss.detach(), aux, buffers)
+
+    grad_fn = grad_and_value(loss_of, argnums=0, has_aux=True)
+
+    def train_step(state: Any, batch: Batch) -> tuple[Any, dict[str, torch.Tensor]]:
+        _check_state_matches(state, expected)
+        if cast == torch.float16 and state.loss_scale is None:
+            raise ValueError(
+                "precision='fp16' needs a loss scale in the state: "
+                "TrainState.create(model, tx, loss_scale=functrain.precision.LossScale.create())"
+            )
+        _set_mode(model, True, freeze_batchnorm)
+        scale = state.loss_scale.scale if state.loss_scale is not None else None
+        micro = split_batch(batch, accumulate) if accumulate > 1 else [batch]
+        total = sum(num_examples(b) for b in micro) if accumulate > 1 else 1
+        buffers = state.buffers
+        grads: Any = None
+        loss = torch.zeros((), device=_device_of(state.params))
+        extra: dict[str, torch.Tensor] = {}
+        preds, targets = [], []
+        for mb in micro:
+            weight = num_examples(mb) / total if accumulate > 1 else 1.0
+            g, (_, (mb_loss, aux, buffers)) = grad_fn(state.params, buffers, mb, scale)
+            if accumulate > 1:
+                g = tree.map(lambda x, w=weight: x * w, g)
+            grads = g if grads is None else tree.map(torch.add, grads, g)
+            loss = loss + mb_loss * weight
+            for name, value in dict(aux.get("metrics", {})).items():
+                extra[name] = extra.get(name, 0) + value.detach().float() * weight
+            if "preds" in aux:
+                preds.append(aux["preds"])
+            if "target" in aux:
+                targets.append(aux["target"])
+
+        loss_scale = state.loss_scale
+        finite = None
+        if scale is not None:
+            grads = tree.map(lambda x: x / scale, grads)
+            finite = all_finite(grads)
+            loss_scale = loss_scale.adjust(finite)
+        updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+        params = apply_updates(state.params, updates)
+        if finite is not None:
+            # An overflow skips the whole update: params and optimizer state stay as they were.
+            params = tree.map(lambda new, old: torch.where(finite, new, old), params, state.params)
+            opt_state = tree.map(_where_leaf(finite), opt_state, state.opt_state)
+
+        metric_state = state.metrics
+        if metrics is not None and metric_state is not None:
+            metric_state = metrics.update(metric_state, **_metric_inputs(preds, targets, loss, batch))
+
+        out = {"loss": loss, "grad_norm": tree.global_norm(grads), **extra}
+        if loss_scale is not None:
+            out["loss_scale"] = loss_scale.scale
+        new_state = state.replace(
+            step=state.step + 1,
+            params=params,
+            buffers=buffers,
+            opt_state=opt_state,
+            loss_scale=loss_scale,
+            metrics=metric_state,
+        )
+        return new_state, out
+
+    train_step.kind = "train"  # type: ignore[attr-defined]
+    train_step.metrics = metrics  # type: ignore[attr-defined]
+    train_step.model = model  # type: ignore[attr-defined]
+    return train_step
+
+
+def _where_leaf(pred: torch.Tensor) -> Callable[[Any, Any], Any]:
+    def pick(new: Any, old: Any) -> Any:
+        if isinstance(new, torch.Tensor):
+            return torch.where(pred, new, old)
+        return new
+
+    return pick
+
+
+def _metric_inputs(preds: list, targets: list, loss: torch.Tensor, batch: Batch) -> dict[str, Any]:
+    inputs: dict[str, Any] = {"loss": loss, "num_examples": num_examples(batch)}
+    if preds:
+        inputs["preds"] = preds[0] if len(preds) == 1 else torch.cat(preds)
+    if targets:
+        inputs["target"] = targets[0] if len(targets) == 1 else torch.cat(targets)
+    return inputs
+
+
+# ------------------------------------------------------------------------------------------ eval
+
+
+def make_eval_step(
+    model: nn.Module | ApplyFn,
+    loss_fn: LossFn,
+    *,
+    metrics: Any = None,
+    precision: str | None = None,
+    return_preds: bool = False,
+) -> Callable[[Any, Batch], dict[str, Any]]:
+    """Build a pure ``eval_step(state, batch) -> dict`` with eval-mode semantics (no dropout, BatchNorm
+    uses its running statistics and does not update them, no gradients).
+
+    The result holds ``loss`` (0-d), ``num_examples`` (int), ``metrics`` (the collection's state for this
+    batch, to be merged across batches; ``None`` without a collection) and, with ``return_preds``,
+    ``preds``.
+
+    Example:
+        >>> eval_step = make_eval_step(model, supervised_loss(torch.nn.functional.cross_entropy))
+        >>> out = eval_step(state, (torch.randn(8, 4), torch.randint(0, 3, (8,))))
+        >>> out["loss"].shape
+        torch.Size([])
+    """
+    cast = autocast_dtype(precision)
+    expected = _expected_names(model if isinstance(model, nn.Module) else None)
+
+    def eval_step(state: Any, batch: Batch) -> dict[str, Any]:
+        _check_state_matches(state, expected)
+        _set_mode(model, False)
+        with torch.no_grad(), _autocast(_device_of(state.params), cast):
+            loss, aux = _split_loss_output(loss_fn(_make_call(model, state.params, state.buffers), batch))
+        loss = loss.float()
+        preds = [aux["preds"]] if "preds" in aux else []
+        targets = [aux["target"]] if "target" in aux else []
+        out: dict[str, Any] = {"loss": loss, "num_examples": num_examples(batch), "metrics": None}
+        out.update({k: v.float() for k, v in dict(aux.get("metrics", {})).items()})
+        if metrics is not None:
+            empty = metrics.empty(_device_of(state.params))
+            out["metrics"] = metrics.update(empty, **_metric_inputs(preds, targets, loss, batch))
+        if return_preds:
+            out["preds"] = aux.get("preds")
+        return out
+
+    eval_step.kind = "eval"  # type: ignore[attr-defined]
+    eval_step.metrics = metrics  # type: ignore[attr-defined]
+    eval_step.model = model  # type: ignore[attr-defined]
+    return eval_step
+
+
+def make_predict_step(
+    model: nn.Module | ApplyFn,
+    forward: Callable[[Callable[..., Any], Batch], Any] | None = None,
+    *,
+    precision: str | None = None,
+) -> Callable[[Any, Batch], Any]:
+    """Build ``predict_step(state, batch) -> outputs`` in eval mode.
+
+    ``forward(model_call, batch)`` defaults to calling the model on the batch's inputs (the first element
+    of a tuple, the ``input`` entry of a dict, or the batch itself).
+
+    Example:
+        >>> predict_step = make_predict_step(model)
+        >>> predict_step(state, torch.randn(2, 4)).shape
+        torch.Size([2, 3])
+    """
+    cast = autocast_dtype(precision)
+
+    def default_forward(call: Callable[..., Any], batch: Batch) -> Any:
+        if isinstance(batch, torch.Tensor):
+            return call(batch)
+        if isinstance(batch, Mapping):
+            for k in _INPUT_KEYS:
+                if k in batch:
+                    return call(batch[k])
+            return call(**batch)
+        if isinstance(batch, Sequence):
+            return call(batch[0])
+        raise TypeError(f"predict: cannot find the inputs in a {type(batch).__name__}; pass forward=...")
+
+    fwd = forward or default_forward
+
+    def predict_step(state: Any, batch: Batch) -> Any:
+        _set_mode(model, False)
+        with torch.no_grad(), _autocast(_device_of(state.params), cast):
+            return fwd(_make_call(model, state.params, state.buffers), batch)
+
+    predict_step.kind = "predict"  # type: ignore[attr-defined]
+    predict_step.model = model  # type: ignore[attr-defined]
+    return predict_step

@@ -1,0 +1,151 @@
+"""`jit`: one graph, one compilation, compiled == eager, donation, recompile and graph-break errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import SmallCNN, TinyTransformer, classification_batch, mlp
+
+import functrain as ft
+from functrain import tree
+
+# fallback_random makes inductor draw dropout masks with the same kernels as eager, so the two runs can
+# be compared step by step (by default compiled and eager randomness differ by design).
+SAME_RANDOM = {"fallback_random": True}
+
+
+def _leaves(state):
+    return [x.clone() for x in tree.leaves(state) if isinstance(x, torch.Tensor)]
+
+
+def _trajectory(step, state, batches):
+    losses = []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(m["loss"])
+    return state, torch.stack(losses)
+
+
+def test_donating_step_equals_pure_step_and_refuses_reuse_eager():
+    model = mlp()
+    state = ft.TrainState.create(model, ft.optim.adam(1e-2))
+    step = ft.make_train_step(model, ft.supervised_loss(F.cross_entropy))
+    pure = ft.jit(step, compile=False)
+    donating = ft.jit(step, compile=False, donate=True)
+    batch = classification_batch()
+    expected, _ = pure(state, batch)
+    copy = tree.map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state)
+    out, _ = donating(copy, batch)
+    for a, b in zip(_leaves(out), _leaves(expected)):
+        assert torch.equal(a, b)
+    assert out.params["0.weight"] is copy.params["0.weight"], "donation must reuse the input tensors"
+    with pytest.raises(ft.DonatedStateError, match="donated"):
+        donating(copy, batch)
+    donating(out, batch)  # the returned state is usable
+
+
+def test_max_compiles_names_the_cause():
+    @ft.jit(max_compiles=1, seed=False)
+    def double(state, x):
+        return state, x * 2
+
+    double(None, torch.ones(3))
+    with pytest.raises(ft.RecompileError, match="max_compiles=1"):
+        double(None, torch.ones(4))
+    assert double.num_compiles == 2 and "size" in double.compile_reasons[0].lower()
+
+
+def test_graph_break_is_explained():
+    def step(state, x):
+        print("host work inside the step")
+        return state, x + 1
+
+    with pytest.raises(ft.GraphBreakError, match="one graph"):
+        ft.jit(step, seed=False)(None, torch.ones(2))
+
+
+def test_real_error_surfaces_through_compile():
+    model = mlp()
+    state = ft.TrainState.create(model, ft.optim.sgd(0.1))
+    bad = ft.make_train_step(model, lambda call, b: F.cross_entropy(call(b[0]), b[1], reduction="none"))
+    with pytest.raises(ValueError, match="0-d tensor"):
+        ft.jit(bad)(state, classification_batch())
+
+
+@pytest.mark.compile
+def test_mlp_one_compile_schedule_and_hand_set_hyperparameter_pure():
+    torch.manual_seed(0)
+    model = mlp(dropout=0.2)
+    sched = ft.optim.warmup_cosine_decay_schedule(0.0, 1e-2, 10, 100)
+    tx = ft.optim.adamw(sched, weight_decay=0.01)
+    state = ft.TrainState.create(model, tx, seed=0)
+    step_fn = ft.make_train_step(model, ft.supervised_loss(F.cross_entropy))
+    compiled = ft.jit(step_fn, options=SAME_RANDOM)
+    eager = ft.jit(step_fn, compile=False)
+    batch = classification_batch(n=32)
+
+    # purity and determinism, compiled
+    before = _leaves(state)
+    a, ma = compiled(state, batch)
+    b, mb = compiled(state, batch)
+    assert all(torch.equal(x, y) for x, y in zip(before, _leaves(state)))
+    assert all(torch.equal(x, y) for x, y in zip(_leaves(a), _leaves(b))) and torch.equal(ma["loss"], mb["loss"])
+
+    # 100 steps with the schedule running and the LR multiplier changed by hand mid-way
+    c_state, e_state = state, state
+    c_losses, e_losses = [], []
+    for i in range(100):
+        if i == 50:
+            c_state = c_state.replace(opt_state=ft.optim.set_hyperparams(c_state.opt_state, learning_rate_scale=0.5))
+            e_state = e_state.replace(opt_state=ft.optim.set_hyperparams(e_state.opt_state, learning_rate_scale=0.5))
+        c_state, cm = compiled(c_state, batch)
+        e_state, em = eager(e_state, batch)
+        c_losses.append(cm["loss"])
+        e_losses.append(em["loss"])
+    assert compiled.num_compiles == 1, compiled.compile_reasons
+    torch.testing.assert_close(torch.stack(c_losses), torch.stack(e_losses), rtol=1e-4, atol=1e-5)
+    for k in c_state.params:
+        torch.testing.assert_close(c_state.params[k], e_state.params[k], rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("which", ["cnn", "transformer"])
+def test_compiled_matches_eager_trajectory(which):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if which == "cnn":
+        model = SmallCNN(dropout=0.2)
+        batches = [(torch.randn(16, 1, 8, 8, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(5)]
+    else:
+        model = TinyTransformer(dropout=0.1)
+        batches = [(torch.randint(0, 11, (8, 6), generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(5)]
+    state = ft.TrainState.create(model, ft.optim.adam(3e-3), seed=0)
+    step_fn = ft.make_train_step(model, ft.supervised_loss(F.cross_entropy))
+    compiled = ft.jit(step_fn, options=SAME_RANDOM)
+    eager = ft.jit(step_fn, compile=False)
+    c_state, c_losses = _trajectory(compiled, state, batches * 10)
+    e_state, e_losses = _trajectory(eager, state, batches * 10)
+    assert compiled.num_compiles == 1
+    torch.testing.assert_close(c_losses, e_losses, rtol=2e-4, atol=2e-5)
+    for k in e_state.buffers:
+        torch.testing.assert_close(c_state.buffers[k], e_state.buffers[k], rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.compile
+def test_compiled_donation_matches_pure():
+    model = mlp()
+    state = ft.TrainState.create(model, ft.optim.adamw(1e-2))
+    step_fn = ft.make_train_step(model, ft.supervised_loss(F.cross_entropy))
+    batch = classification_batch()
+    expected = state
+    for _ in range(3):
+        expected, _ = ft.jit(step_fn, compile=False)(expected, batch)
+    donating = ft.jit(step_fn, donate=True)
+    s = tree.map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state)
+    first_weight = s.params["0.weight"]
+    for _ in range(3):
+        s, _ = donating(s, batch)
+    assert s.params["0.weight"] is first_weight
+    for k in s.params:
+        torch.testing.assert_close(s.params[k], expected.params[k], rtol=1e-5, atol=1e-6)

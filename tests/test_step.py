@@ -1,0 +1,211 @@
+"""Train/eval steps: purity, BatchNorm threading, accumulation, mixed precision, errors (eager)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import SmallCNN, classification_batch, mlp
+
+import functrain as ft
+from functrain import tree
+
+
+def _snapshot(state):
+    return [x.clone() for x in tree.leaves(state) if isinstance(x, torch.Tensor)]
+
+
+def _bitwise_equal(a, b) -> bool:
+    return len(a) == len(b) and all(
+        x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.view(-1).view(torch.uint8), y.view(-1).view(torch.uint8))
+        if x.numel()
+        else x.shape == y.shape
+        for x, y in zip(a, b)
+    )
+
+
+def test_step_is_pure_and_deterministic():
+    torch.manual_seed(0)
+    model = mlp(dropout=0.3)
+    state = ft.TrainState.create(model, ft.optim.adamw(1e-2), seed=3)
+    step = ft.jit(ft.make_train_step(model, ft.supervised_loss(F.cross_entropy)), compile=False)
+    batch = classification_batch()
+    before = _snapshot(state)
+    s1, m1 = step(state, batch)
+    assert _bitwise_equal(before, _snapshot(state)), "the input state was modified"
+    s2, m2 = step(state, batch)
+    assert _bitwise_equal(_snapshot(s1), _snapshot(s2))
+    assert torch.equal(m1["loss"], m2["loss"])
+    assert int(s1.step) == 1 and int(state.step) == 0
+    assert not _bitwise_equal(before, _snapshot(s1)), "the step changed nothing"
+
+
+def test_step_seed_depends_on_step_and_key():
+    model = mlp(dropout=0.5)
+    loss_fn = ft.supervised_loss(F.cross_entropy)
+    step = ft.jit(ft.make_train_step(model, loss_fn), compile=False)
+    batch = classification_batch()
+    a = ft.TrainState.create(model, ft.optim.sgd(0.1), seed=0)
+    b = ft.TrainState.create(model, ft.optim.sgd(0.1), seed=1)
+    la = step(a, batch)[1]["loss"]
+    lb = step(b, batch)[1]["loss"]
+    la2 = step(a.replace(step=torch.tensor(5)), batch)[1]["loss"]
+    assert not torch.equal(la, lb) and not torch.equal(la, la2)
+
+
+def test_batchnorm_buffers_threaded_and_eval_mode():
+    torch.manual_seed(0)
+    model = SmallCNN(dropout=0.0)
+    state = ft.TrainState.create(model, ft.optim.sgd(0.0))  # lr 0: only buffers change
+    loss_fn = ft.supervised_loss(F.cross_entropy)
+    x = torch.randn(8, 1, 8, 8) * 3 + 1
+    y = torch.randint(0, 4, (8,))
+    new, _ = ft.make_train_step(model, loss_fn)(state, (x, y))
+    # Reference: the module itself in train mode updates running stats the same way.
+    ref = SmallCNN(dropout=0.0)
+    ref.load_state_dict(state.state_dict())
+    ref.train()
+    ref(x)
+    torch.testing.assert_close(new.buffers["features.1.running_mean"], ref.features[1].running_mean)
+    torch.testing.assert_close(new.buffers["features.1.running_var"], ref.features[1].running_var)
+    assert int(new.buffers["features.1.num_batches_tracked"]) == 1
+    # Eval: no statistics update, same output as the module in eval mode.
+    out = ft.make_eval_step(model, loss_fn, return_preds=True)(new, (x, y))
+    ref.eval()
+    torch.testing.assert_close(out["preds"], ref(x))
+    torch.testing.assert_close(out["loss"], F.cross_entropy(ref(x), y))
+
+
+def test_accumulation_equals_large_batch():
+    torch.manual_seed(0)
+    model = mlp()
+    loss_fn = ft.supervised_loss(F.cross_entropy)
+    state = ft.TrainState.create(model, ft.optim.sgd(0.5)).to(dtype=torch.float64)
+    x, y = classification_batch(n=22)  # 22 = 6 + 6 + 5 + 5: unequal micro-batches
+    batch = (x.double(), y)
+    big, m_big = ft.make_train_step(model, loss_fn)(state, batch)
+    acc, m_acc = ft.make_train_step(model, loss_fn, accumulate=4)(state, batch)
+    for k in big.params:
+        torch.testing.assert_close(acc.params[k], big.params[k], rtol=1e-6, atol=1e-12)
+    torch.testing.assert_close(m_acc["loss"], m_big["loss"], rtol=1e-6, atol=0)
+
+
+def test_aux_metrics_reported():
+    model = mlp()
+
+    def loss_fn(call, batch):
+        x, y = batch
+        logits = call(x)
+        acc = (logits.argmax(-1) == y).float().mean()
+        return F.cross_entropy(logits, y), {"metrics": {"acc": acc}}
+
+    state = ft.TrainState.create(model, ft.optim.sgd(0.1))
+    _, m = ft.make_train_step(model, loss_fn)(state, classification_batch())
+    assert set(m) == {"loss", "grad_norm", "acc"} and 0 <= float(m["acc"]) <= 1
+
+
+def test_apply_function_instead_of_module():
+    w = torch.randn(3, 2)
+
+    def apply(params, buffers, x):
+        return x @ params["w"]
+
+    tx = ft.optim.sgd(0.1)
+    state = ft.TrainState(
+        step=torch.zeros((), dtype=torch.int64),
+        params={"w": w},
+        buffers={},
+        opt_state=tx.init({"w": w}),
+        rng=ft.random.key(0),
+        tx=tx,
+    )
+    x = torch.randn(5, 3)
+    step = ft.make_train_step(apply, lambda call, b: call(b).pow(2).mean())
+    new, _ = step(state, x)
+    expected = w - 0.1 * torch.func.grad(lambda w_: (x @ w_).pow(2).mean())(w)
+    torch.testing.assert_close(new.params["w"], expected)
+
+
+def test_fp16_overflow_skips_update_and_halves_scale():
+    model = mlp()
+    scale = ft.precision.LossScale.create(init_scale=2.0**8, growth_interval=2)
+    state = ft.TrainState.create(model, ft.optim.adam(1e-2), loss_scale=scale)
+    inject = {"on": True}
+
+    def loss_fn(call, batch):
+        x, y = batch
+        loss = F.cross_entropy(call(x).float(), y)
+        return loss * torch.tensor(float("inf")) if inject["on"] else loss
+
+    step = ft.make_train_step(model, loss_fn, precision="fp16")
+    s1, m = step(state, classification_batch())
+    assert float(s1.loss_scale.scale) == 2.0**7 and int(s1.loss_scale.skipped) == 1
+    for k in state.params:
+        assert torch.equal(s1.params[k], state.params[k])
+    assert _bitwise_equal(_snapshot(s1.opt_state), _snapshot(state.opt_state))
+    inject["on"] = False
+    s2, _ = step(s1, classification_batch())
+    s3, _ = step(s2, classification_batch())
+    assert not torch.equal(s2.params["0.weight"], s1.params["0.weight"])
+    assert float(s3.loss_scale.scale) == 2.0**8, "two finite steps (growth_interval=2) double the scale"
+
+
+def test_fp16_without_loss_scale_is_an_error():
+    model = mlp()
+    state = ft.TrainState.create(model, ft.optim.sgd(0.1))
+    with pytest.raises(ValueError, match="loss_scale"):
+        ft.make_train_step(model, ft.supervised_loss(F.cross_entropy), precision="fp16")(state, classification_batch())
+
+
+def test_bf16_autocast_runs_on_cpu():
+    model = mlp()
+    state = ft.TrainState.create(model, ft.optim.sgd(0.1))
+    seen = {}
+
+    def loss_fn(call, batch):
+        x, y = batch
+        logits = call(x)
+        seen["dtype"] = logits.dtype
+        return F.cross_entropy(logits, y)
+
+    new, m = ft.make_train_step(model, loss_fn, precision="bf16")(state, classification_batch())
+    assert seen["dtype"] == torch.bfloat16
+    assert new.params["0.weight"].dtype == torch.float32 and torch.isfinite(m["loss"])
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "match"),
+    [
+        (lambda call, b: F.cross_entropy(call(b[0]), b[1], reduction="none"), "0-d tensor"),
+        (lambda call, b: "not a tensor", "0-d tensor or"),
+    ],
+)
+def test_bad_loss_is_explained(loss_fn, match):
+    model = mlp()
+    state = ft.TrainState.create(model, ft.optim.sgd(0.1))
+    with pytest.raises((ValueError, TypeError), match=match):
+        ft.make_train_step(model, loss_fn)(state, classification_batch())
+
+
+def test_state_from_another_model_is_explained():
+    state = ft.TrainState.create(mlp(), ft.optim.sgd(0.1))
+    other = SmallCNN()
+    with pytest.raises(ValueError, match="does not belong to this model"):
+        ft.make_train_step(other, ft.supervised_loss(F.cross_entropy))(state, classification_batch())
+
+
+def test_supervised_batch_errors_name_the_fix():
+    model = mlp()
+    state = ft.TrainState.create(model, ft.optim.sgd(0.1))
+    step = ft.make_train_step(model, ft.supervised_loss(F.cross_entropy))
+    with pytest.raises(KeyError, match="input key"):
+        step(state, {"features_wrong": torch.randn(4, 8), "label": torch.zeros(4, dtype=torch.long)})
+
+
+def test_predict_step():
+    model = mlp()
+    state = ft.TrainState.create(model, ft.optim.sgd(0.1))
+    x = torch.randn(4, 8)
+    out = ft.make_predict_step(model)(state, (x, None))
+    model.eval()
+    torch.testing.assert_close(out, model(x))
