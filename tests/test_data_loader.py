@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
 from functrain import random
-from functrain.data import DataPosition, Loader, ResumeWarning, num_batches, num_examples
+from functrain.data import CollateError, DataPosition, Loader, ResumeWarning, num_batches, num_examples
 
 
 class Squares:
@@ -136,9 +136,12 @@ def test_workers_give_the_same_batches_as_the_main_process():
     kwargs = dict(batch_size=4, key=random.key(0), prefetch=0)
     serial = list(Loader(Squares(18), **kwargs).epoch(1, start_index=1))
     parallel = list(Loader(Squares(18), num_workers=2, **kwargs).epoch(1, start_index=1))
-    assert len(serial) == len(parallel) == 4
-    for a, b in zip(serial, parallel):
+    kwargs["prefetch"] = 2  # workers started from the prefetch thread
+    parallel_ahead = list(Loader(Squares(18), num_workers=2, **kwargs).epoch(1, start_index=1))
+    assert len(serial) == len(parallel) == len(parallel_ahead) == 4
+    for a, b, c in zip(serial, parallel, parallel_ahead):
         assert torch.equal(a["index"], b["index"]) and torch.equal(a["x"], b["x"])
+        assert torch.equal(a["index"], c["index"]) and torch.equal(a["x"], c["x"])
 
 
 def test_prefetching_iterate_matches_the_unprefetched_one():
@@ -214,6 +217,8 @@ def test_wrapped_dataloader_without_reproducible_order_warns():
 def test_wrapped_dataloader_refuses_batching_arguments():
     with pytest.raises(ValueError, match="DataLoader together with batch_size, key"):
         Loader(DataLoader(TensorDataset(torch.arange(4))), 2, key=random.key(0))
+    with pytest.raises(ValueError, match="DataLoader together with pin_memory"):
+        Loader(DataLoader(TensorDataset(torch.arange(4))), pin_memory=True)
 
 
 def test_bad_arguments_name_themselves():
@@ -233,3 +238,20 @@ def test_bad_arguments_name_themselves():
         Loader(Squares(4), 2, shuffle=False).epoch(0, 5)
     with pytest.raises(ValueError, match="no batches"):
         Loader(Squares(3), 4, shuffle=False, drop_last=True).iterate()
+    with pytest.raises(TypeError, match="position must be a DataPosition"):
+        Loader(Squares(3), 4, shuffle=False).iterate((0, 1))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA warning")
+def test_pin_memory_without_cuda_warns_instead_of_silently_ignoring():
+    with pytest.warns(UserWarning, match="pin_memory=True has no effect without CUDA"):
+        Loader(Squares(3), 2, shuffle=False, pin_memory=True)
+
+
+def test_collate_errors_name_the_path_through_the_loader():
+    class Ragged(Squares):
+        def __getitem__(self, i):
+            return {"x": torch.zeros(i + 1)}
+
+    with pytest.raises(CollateError, match=r"sample\['x'\] has shape"):
+        next(iter(Loader(Ragged(4), 2, shuffle=False).epoch(0)))

@@ -1,6 +1,7 @@
 import subprocess
 import sys
 import threading
+import time
 import traceback
 
 import pytest
@@ -76,6 +77,13 @@ def test_close_while_the_queue_is_full_does_not_hang():
         next(items)
 
 
+def test_the_producer_is_a_daemon_thread():
+    items = Prefetcher(iter(range(3)))
+    assert items._thread.daemon
+    items.close()
+
+
+@pytest.mark.slow  # a fresh interpreter imports torch and functrain: several seconds on 2 cores
 def test_an_abandoned_prefetcher_does_not_block_interpreter_exit():
     code = (
         "import itertools\n"
@@ -84,10 +92,15 @@ def test_an_abandoned_prefetcher_does_not_block_interpreter_exit():
         "print(next(p))\n"
         "import functrain.data.prefetch as m\n"
         "m._keep = p\n"  # a live reference at exit: only the daemon flag lets Python leave
+        "import time\n"
+        "print(time.time())\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    exited = time.time()
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "0"
+    first, script_end = result.stdout.split()
+    assert first == "0"
+    assert exited - float(script_end) < 3.0  # shutdown does not wait on the producer thread
 
 
 def test_size_must_be_positive():

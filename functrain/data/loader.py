@@ -99,11 +99,6 @@ class Loader:
                 f"Loader: key must be a functrain random key (CPU int64 tensor of shape (2,)), got "
                 f"{type(key).__name__}; make one with functrain.random.key(seed)"
             )
-        if pin_memory and not torch.cuda.is_available():
-            warnings.warn(
-                "Loader: pin_memory=True has no effect without CUDA; it is ignored", UserWarning, stacklevel=2
-            )
-            pin_memory = False
         self.device = torch.device(device) if device is not None else None
         self.prefetch = prefetch
         self._source: MapSource | IterableSource | DataLoaderSource
@@ -128,6 +123,11 @@ class Loader:
             self._source = DataLoaderSource(data)
             return
 
+        if pin_memory and not torch.cuda.is_available():
+            warnings.warn(
+                "Loader: pin_memory=True has no effect without CUDA; it is ignored", UserWarning, stacklevel=2
+            )
+            pin_memory = False
         if batch_size is None:
             raise ValueError(
                 "Loader: batch_size is required for a dataset (only a DataLoader brings its own)"

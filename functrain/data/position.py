@@ -147,7 +147,9 @@ def num_steps(batches: int, accumulation_steps: int = 1) -> int:
     """Optimizer steps that ``batches`` micro-batches make with gradient accumulation.
 
     A trailing group shorter than ``accumulation_steps`` still makes one step. Count schedules in
-    these optimizer steps: ``num_steps(num_epochs * num_batches(...), accumulation_steps)``.
+    these optimizer steps: ``num_epochs * num_steps(num_batches(...), accumulation_steps)`` when
+    accumulation restarts at every epoch, ``num_steps(num_epochs * num_batches(...), ...)`` when it
+    runs across epoch boundaries.
 
     Example:
         >>> num_steps(10, accumulation_steps=4)

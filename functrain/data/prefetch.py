@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Generic, TypeVar
@@ -151,7 +152,8 @@ class Prefetcher(Generic[T]):
                 self._queue.get_nowait()
             except queue.Empty:
                 break
-        if self._thread is not threading.current_thread():
+        # During interpreter shutdown daemon threads are frozen: joining one would only wait out the timeout.
+        if self._thread is not threading.current_thread() and not sys.is_finalizing():
             self._thread.join(timeout=_JOIN_TIMEOUT_S)
 
     @property
