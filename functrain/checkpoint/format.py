@@ -36,6 +36,7 @@ import math
 import os
 import struct
 import time
+import warnings
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -441,6 +442,14 @@ def read_header(file: BinaryIO, *, name: str) -> CheckpointHeader:
     )
 
 
+def _empty(info: TensorInfo) -> torch.Tensor:
+    if info.dtype != getattr(torch, "complex32", None):
+        return torch.empty(info.shape, dtype=info.dtype)
+    with warnings.catch_warnings():  # "ComplexHalf support is experimental": not news to a restore
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.empty(info.shape, dtype=info.dtype)
+
+
 def _check_crc(pending: tuple[str, int, Future[int]] | None, name: str) -> None:
     if pending is not None:
         where, stored, computed = pending
@@ -472,7 +481,7 @@ def read_tensors(
             file.seek(info.nbytes + _CHUNK_OVERHEAD * chunks, os.SEEK_CUR)
             yield index, None
             continue
-        result = torch.empty(info.shape, dtype=info.dtype)
+        result = _empty(info)
         view = memoryview(result.reshape(-1).view(torch.uint8).numpy()) if info.nbytes else memoryview(b"")
         pending: tuple[str, int, Future[int]] | None = None  # the previous chunk, hashed while we read
         for chunk in range(chunks):

@@ -1,0 +1,209 @@
+"""Malformed and hostile files: each raises CheckpointError quickly, without crashing or allocating much."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import resource
+import time
+import zlib
+
+import msgpack
+import pytest
+import torch
+
+from functrain import checkpoint
+from functrain.checkpoint import format as fmt
+from functrain.checkpoint.errors import CheckpointError
+
+
+def _good_file(tmp_path) -> bytes:
+    state = {"w": torch.randn(40, 10), "b": torch.arange(5), "step": 3, "name": "x"}
+    checkpoint.save(tmp_path / "good.ckpt", state, step=3, chunk_bytes=512, fsync=False)
+    return (tmp_path / "good.ckpt").read_bytes()
+
+
+def _deep_tree_header(depth: int) -> bytes:
+    """A header whose tree is ``depth`` nested lists, beyond what msgpack itself would write."""
+    without_tree = {k: v for k, v in _header({"tensors": []}).items() if k != "tree"}
+    packed = msgpack.packb(without_tree, use_bin_type=True)
+    assert packed[0] == 0x80 | len(without_tree)
+    return bytes([packed[0] + 1]) + packed[1:] + msgpack.packb("tree") + b"\x91" * depth + msgpack.packb(["none"])
+
+
+def _header_bytes(**changes) -> bytes:
+    return msgpack.packb(_header(changes), use_bin_type=True)
+
+
+def _header(changes: dict) -> dict:
+    header = {
+        "format": 1,
+        "functrain": "0",
+        "torch": "0",
+        "step": 1,
+        "created": 0.0,
+        "metrics": {},
+        "metadata": {},
+        "chunk_bytes": 1024,
+        "tensors": [["w", "float32", [2], 8]],
+        "tree": ["dict", [["w", ["tensor", 0]]]],
+    }
+    header.update(changes)
+    return header
+
+
+def _crafted(header_changes: dict, body: bytes = b"", *, end: bytes = fmt.END, raw_header: bytes | None = None) -> bytes:
+    header = _header(header_changes)
+    packed = raw_header if raw_header is not None else msgpack.packb(header, use_bin_type=True)
+    return fmt.MAGIC + fmt._ITEM.pack(0xC6, len(packed)) + packed + fmt._ITEM.pack(0xCE, zlib.crc32(packed)) + body + end
+
+
+def _chunk(data: bytes) -> bytes:
+    return fmt._ITEM.pack(0xC6, len(data)) + data + fmt._ITEM.pack(0xCE, zlib.crc32(data))
+
+
+GOOD_BODY = _chunk(b"\x00" * 8)
+
+CRAFTED = {
+    "control (valid)": _crafted({}, GOOD_BODY),
+    "empty file": b"",
+    "wrong magic": b"\xb4functrain-checkpoinX" + b"\x00" * 40,
+    "pickle": pickle.dumps({"w": 1}),
+    "torch.save zip": b"PK\x03\x04" + b"\x00" * 60,
+    "header not msgpack": _crafted({}, GOOD_BODY, raw_header=b"\xc1\xc1\xc1"),
+    "header is a list": _crafted({}, GOOD_BODY, raw_header=msgpack.packb([1, 2, 3])),
+    "header length huge": fmt.MAGIC + fmt._ITEM.pack(0xC6, 0xFFFFFFFF) + b"\x00" * 64,
+    "header checksum wrong": _crafted({}, GOOD_BODY).replace(
+        fmt._ITEM.pack(0xCE, zlib.crc32(_header_bytes())), fmt._ITEM.pack(0xCE, zlib.crc32(_header_bytes()) ^ 1)
+    ),
+    "future format": _crafted({"format": 99}, GOOD_BODY),
+    "format as bool": _crafted({"format": True}, GOOD_BODY),
+    "missing tensor table": _crafted({"tensors": None}, GOOD_BODY),
+    "unknown dtype name": _crafted({"tensors": [["w", "float33", [2], 8]]}, GOOD_BODY),
+    "pickled dtype name": _crafted({"tensors": [["w", "__reduce__", [2], 8]]}, GOOD_BODY),
+    "shape and bytes disagree": _crafted({"tensors": [["w", "float32", [3], 8]]}, GOOD_BODY),
+    "negative dimension": _crafted({"tensors": [["w", "float32", [-2], -8]]}, GOOD_BODY),
+    "huge declared tensor": _crafted({"tensors": [["w", "float32", [1 << 40], 4 << 40]]}, GOOD_BODY),
+    "huge dimension of empty tensor": _crafted({"tensors": [["w", "float32", [1 << 62, 0], 0]]}),
+    "chunk size zero": _crafted({"chunk_bytes": 0}, GOOD_BODY),
+    "chunk length lies": _crafted({}, fmt._ITEM.pack(0xC6, 4) + b"\x00" * 8 + fmt._ITEM.pack(0xCE, 0)),
+    "chunk tag wrong": _crafted({}, b"\xc4" + GOOD_BODY[1:]),
+    "chunk checksum wrong": _crafted({}, GOOD_BODY[:-1] + b"\x01"),
+    "end marker missing": _crafted({}, GOOD_BODY, end=b"\xa3enx"),
+    "trailing garbage": _crafted({}, GOOD_BODY) + b"\x00",
+    "tree index out of range": _crafted({"tree": ["dict", [["w", ["tensor", 5]]]]}, GOOD_BODY),
+    "tree uses a tensor twice": _crafted(
+        {"tree": ["list", [["tensor", 0], ["tensor", 0]]]}, GOOD_BODY
+    ),
+    "tree unknown node": _crafted({"tree": ["object", "os.system", "echo"]}, GOOD_BODY),
+    "tree node is not a list": _crafted({"tree": {"w": 1}}, GOOD_BODY),
+    "tree node arity wrong": _crafted({"tree": ["dict", [["w", ["tensor", 0]]], "extra"]}, GOOD_BODY),
+    "header deeply nested": _crafted({}, GOOD_BODY, raw_header=b"\x91" * 5000 + b"\xc0"),
+    "tree deeply nested": _crafted({}, raw_header=_deep_tree_header(100_000)),
+    "int leaf holds a str": _crafted({"tensors": [], "tree": ["int", "1"]}),
+    "ext type in header": _crafted({}, GOOD_BODY, raw_header=msgpack.packb(msgpack.ExtType(1, b"x"))),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _memory_guard():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    yield
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown_kib < 300 * 1024, f"reading malformed files raised peak memory by {grown_kib} KiB"
+
+
+def _assert_refused(path) -> CheckpointError:
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError) as info:
+        checkpoint.restore(path)
+    assert time.perf_counter() - start < 1.0
+    return info.value
+
+
+def test_crafted_control_file_is_valid(tmp_path):
+    (tmp_path / "ok.ckpt").write_bytes(CRAFTED["control (valid)"])
+    assert torch.equal(checkpoint.restore(tmp_path / "ok.ckpt")["w"], torch.zeros(2))
+
+
+@pytest.mark.parametrize("case", [c for c in CRAFTED if c != "control (valid)"])
+def test_crafted_file_is_refused(tmp_path, case):
+    path = tmp_path / "bad.ckpt"
+    path.write_bytes(CRAFTED[case])
+    error = _assert_refused(path)
+    assert str(path) in str(error) or "malformed" in str(error)
+
+
+def test_messages_name_the_problem(tmp_path):
+    expectations = {
+        "unknown dtype name": "unknown dtype name 'float33'",
+        "shape and bytes disagree": "needs 12 bytes but the header says 8",
+        "huge declared tensor": "truncated or its header declares too much data",
+        "pickle": "pickle",
+        "chunk checksum wrong": "checksum mismatch in tensor w chunk 1/1",
+        "future format": "format version 99",
+        "tree unknown node": "unknown node kind 'object'",
+    }
+    for case, message in expectations.items():
+        path = tmp_path / f"{len(message)}.ckpt"
+        path.write_bytes(CRAFTED[case])
+        assert message in str(_assert_refused(path)), case
+
+
+@pytest.mark.parametrize("index", range(20))
+def test_truncated_file_is_refused(tmp_path, index):
+    data = _good_file(tmp_path)
+    cut = [0, 1, 5, len(fmt.MAGIC), len(fmt.MAGIC) + 3][index] if index < 5 else (index - 4) * len(data) // 16
+    cut = min(cut, len(data) - 1)
+    (tmp_path / "cut.ckpt").write_bytes(data[:cut])
+    assert "truncated" in str(_assert_refused(tmp_path / "cut.ckpt")) or cut < len(fmt.MAGIC) + 5
+
+
+def test_every_flipped_bit_position_is_detected(tmp_path):
+    data = _good_file(tmp_path)
+    step = max(1, len(data) // 200)
+    for position in range(0, len(data), step):
+        for bit in (0, 7):
+            corrupted = bytearray(data)
+            corrupted[position] ^= 1 << bit
+            (tmp_path / "flip.ckpt").write_bytes(bytes(corrupted))
+            with pytest.raises(CheckpointError):
+                checkpoint.restore(tmp_path / "flip.ckpt")
+
+
+def test_flipped_tensor_byte_names_the_tensor(tmp_path):
+    data = bytearray(_good_file(tmp_path))
+    header = checkpoint.read_header(tmp_path / "good.ckpt")
+    data[header.data_offset + 5] ^= 0xFF  # first data byte of the first tensor in file order, 'w'
+    (tmp_path / "flip.ckpt").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="checksum mismatch in tensor w"):
+        checkpoint.restore(tmp_path / "flip.ckpt")
+
+
+class _Payload:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")
+def test_pickle_payload_is_refused_and_never_executed(tmp_path):
+    marker = tmp_path / "executed"
+    for name, data in {
+        "raw.ckpt": pickle.dumps({"w": _Payload(str(marker))}),
+        "zip.pt": None,
+    }.items():
+        path = tmp_path / name
+        if data is None:
+            torch.save({"w": _Payload(str(marker))}, path)  # a torch.save file with code inside
+        else:
+            path.write_bytes(data)
+        with pytest.raises(CheckpointError):
+            checkpoint.restore(path)
+        with pytest.raises(CheckpointError):
+            checkpoint.load_state_dict(path)  # torch.load(weights_only=True) refuses the payload
+        with pytest.raises(CheckpointError):
+            checkpoint.read_header(path)
+    assert not marker.exists(), "the pickle payload ran"
