@@ -1,0 +1,96 @@
+"""`ConfigError`: every problem of a configuration at once, each with its field path and a fix.
+
+A user who fixes one typo, reruns and meets the next one wastes a run per mistake, so validation collects
+all problems before raising. Each :class:`Problem` names the dotted field path (``"optimizer.lr"``), says
+what is wrong and what to write instead.
+
+Example:
+    >>> err = ConfigError([Problem("optimizer.lr", "must be > 0, got -1", "set optimizer.lr=1e-3")])
+    >>> print(err)
+    1 problem in the trainer config:
+      - optimizer.lr: must be > 0, got -1. Fix: set optimizer.lr=1e-3
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+__all__ = ["ConfigError", "Problem", "did_you_mean"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a configuration: where (dotted ``path``), what (``message``), and the ``fix``.
+
+    Example:
+        >>> Problem("epochs", "must be >= 1, got 0", "set epochs to 1 or more").path
+        'epochs'
+    """
+
+    path: str
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        where = self.path or "<config>"
+        return f"{where}: {self.message}. Fix: {self.fix}"
+
+
+class ConfigError(ValueError):
+    """A configuration is invalid; ``problems`` lists every problem found, each with its field path.
+
+    Example:
+        >>> try:
+        ...     raise ConfigError([Problem("epochs", "missing", "set epochs=3")])
+        ... except ValueError as err:
+        ...     [p.path for p in err.problems]
+        ['epochs']
+    """
+
+    def __init__(self, problems: Sequence[Problem]) -> None:
+        if not problems:
+            raise ValueError("ConfigError needs at least one Problem")
+        self.problems: tuple[Problem, ...] = tuple(problems)
+        noun = "problem" if len(self.problems) == 1 else "problems"
+        lines = [f"{len(self.problems)} {noun} in the trainer config:"]
+        lines += [f"  - {p}" for p in self.problems]
+        super().__init__("\n".join(lines))
+
+    @classmethod
+    def single(cls, path: str, message: str, fix: str) -> ConfigError:
+        """A `ConfigError` with one problem.
+
+        Example:
+            >>> ConfigError.single("seed", "must be >= 0", "set seed=42").problems[0].fix
+            'set seed=42'
+        """
+        return cls([Problem(path, message, fix)])
+
+    @property
+    def paths(self) -> list[str]:
+        """The field paths of all problems, in the order they were found."""
+        return [p.path for p in self.problems]
+
+
+def did_you_mean(name: str, candidates: Iterable[str], *, cutoff: float = 0.6) -> list[str]:
+    """The candidates closest to ``name`` (case-insensitive), best first, at most three.
+
+    Example:
+        >>> did_you_mean("lrr", ["lr", "args", "name"])
+        ['lr']
+    """
+    by_lower: dict[str, str] = {}
+    for candidate in candidates:
+        by_lower.setdefault(candidate.lower(), candidate)
+    matches = difflib.get_close_matches(name.lower(), list(by_lower), n=3, cutoff=cutoff)
+    return [by_lower[m] for m in matches]
+
+
+def suggestion(name: str, candidates: Iterable[str]) -> str:
+    """``"did you mean 'x'?"`` for the closest candidates, or an empty string when none is close."""
+    close = did_you_mean(name, candidates)
+    if not close:
+        return ""
+    return "did you mean " + " or ".join(repr(c) for c in close) + "?"

@@ -1,0 +1,186 @@
+"""Import specs: how a config file names a Python object (a model, a dataset) to build.
+
+A spec is either
+
+- a string ``"package.module:attr"`` (``attr`` may be dotted, ``"torch.nn:functional.relu"``): the
+  object itself, not called; or
+- a mapping ``{"target": "package.module:attr", "args": [...], "kwargs": {...}}``: the object called
+  with ``*args, **kwargs`` (both optional; a mapping spec is always called, with no arguments if none
+  are given). Nested specs inside ``args``/``kwargs`` are *not* resolved: write a factory function.
+
+Validating a config imports the module and looks the attribute up (so a typo fails before training),
+but only :func:`resolve_object` calls it.
+
+Example:
+    >>> resolve_object({"target": "torch.nn:Linear", "args": [4, 2], "kwargs": {"bias": False}})
+    Linear(in_features=4, out_features=2, bias=False)
+    >>> resolve_object("math:pi")
+    3.141592653589793
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from functrain.config.errors import ConfigError, Problem, suggestion
+
+__all__ = ["ImportSpec", "check_import_spec", "normalize_import_spec", "resolve_object"]
+
+ImportSpec = str | dict[str, Any]
+
+_SPEC_KEYS = ("target", "args", "kwargs")
+_FORM = "write 'package.module:attr' or {target: 'package.module:attr', args: [...], kwargs: {...}}"
+
+
+def normalize_import_spec(spec: Any, path: str = "spec") -> ImportSpec:
+    """Check a spec's shape (not whether it imports) and return it as plain data (tuples become lists).
+
+    Example:
+        >>> normalize_import_spec({"target": "torch.nn:Linear", "args": (4, 2)})
+        {'target': 'torch.nn:Linear', 'args': [4, 2]}
+    """
+    if isinstance(spec, str):
+        _split_target(spec, path)
+        return spec
+    if not isinstance(spec, Mapping):
+        raise ConfigError.single(
+            path, f"an import spec must be a string or a mapping, got {type(spec).__name__}", _FORM
+        )
+    problems = []
+    for key in spec:
+        if key not in _SPEC_KEYS:
+            hint = suggestion(str(key), _SPEC_KEYS) or f"the keys are {', '.join(_SPEC_KEYS)}"
+            problems.append(Problem(f"{path}.{key}", "unknown import spec key", hint))
+    if "target" not in spec:
+        problems.append(Problem(f"{path}.target", "missing", _FORM))
+    elif not isinstance(spec["target"], str):
+        problems.append(Problem(f"{path}.target", "must be a string 'package.module:attr'", _FORM))
+    else:
+        try:
+            _split_target(spec["target"], f"{path}.target")
+        except ConfigError as err:
+            problems += err.problems
+    args = spec.get("args", [])
+    if not isinstance(args, (list, tuple)):
+        problems.append(
+            Problem(f"{path}.args", f"must be a list, got {type(args).__name__}", "write args: [a, b]")
+        )
+    kwargs = spec.get("kwargs", {})
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        problems.append(
+            Problem(f"{path}.kwargs", "must be a mapping with string keys", "write kwargs: {name: value}")
+        )
+    if problems:
+        raise ConfigError(problems)
+    out: dict[str, Any] = {"target": spec["target"]}
+    if "args" in spec:
+        out["args"] = list(args)
+    if "kwargs" in spec:
+        out["kwargs"] = dict(kwargs)
+    return out
+
+
+def check_import_spec(spec: ImportSpec, path: str = "spec") -> Any:
+    """Import the spec's module and look its attribute up, without calling it; returns the attribute.
+
+    Example:
+        >>> check_import_spec("torch.nn:Linear").__name__
+        'Linear'
+    """
+    spec = normalize_import_spec(spec, path)
+    target = spec if isinstance(spec, str) else spec["target"]
+    where = path if isinstance(spec, str) else f"{path}.target"
+    module_name, attr = _split_target(target, where)
+    module = _import_module(module_name, target, where)
+    obj: Any = module
+    walked = module_name
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            names = [n for n in dir(obj) if not n.startswith("_")]
+            hint = suggestion(part, names) or f"check the spelling; {walked} has no attribute {part!r}"
+            raise ConfigError.single(where, f"{target!r}: {walked} has no attribute {part!r}", hint)
+        obj = getattr(obj, part)
+        walked = f"{walked}.{part}"
+    return obj
+
+
+def resolve_object(spec: ImportSpec, *, path: str = "spec") -> Any:
+    """The object a spec names: imported, and called with ``args``/``kwargs`` when the spec is a mapping.
+
+    Errors name ``path`` (the config field holding the spec) and the spec: a missing module (with close
+    module names), a missing attribute (with close names from the module), or a call that raised.
+
+    Example:
+        >>> resolve_object({"target": "fractions:Fraction", "args": [1, 3]})
+        Fraction(1, 3)
+    """
+    obj = check_import_spec(spec, path)
+    if isinstance(spec, str):
+        return obj
+    spec = normalize_import_spec(spec, path)
+    args, kwargs = spec.get("args", []), spec.get("kwargs", {})
+    if not callable(obj):
+        raise ConfigError.single(
+            path,
+            f"{spec['target']!r} is a {type(obj).__name__}, which cannot be called",
+            "use the string form 'package.module:attr' to get the object without calling it",
+        )
+    try:
+        return obj(*args, **kwargs)
+    except Exception as exc:
+        raise ConfigError.single(
+            path,
+            f"calling {spec['target']!r} with args={args!r} kwargs={kwargs!r} raised {type(exc).__name__}: {exc}",
+            "fix the arguments in the spec (or the code it calls); the original traceback is chained below",
+        ) from exc
+
+
+def _split_target(target: str, path: str) -> tuple[str, str]:
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr or ":" in attr:
+        guess = ""
+        if not sep and "." in target:
+            head, _, tail = target.rpartition(".")
+            guess = f" (probably {head}:{tail!s})"
+        raise ConfigError.single(path, f"{target!r} is not of the form 'package.module:attr'", _FORM + guess)
+    return module_name, attr
+
+
+def _import_module(module_name: str, target: str, path: str) -> Any:
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or module_name
+        if module_name != missing and not module_name.startswith(missing + "."):
+            # The module exists but one of *its* imports is missing: a dependency problem, not a typo.
+            raise ConfigError.single(
+                path, f"importing {module_name!r} failed: {exc}", f"install the missing package {missing!r}"
+            ) from exc
+        hint = suggestion(missing.rpartition(".")[2], _sibling_modules(missing))
+        raise ConfigError.single(
+            path,
+            f"{target!r}: no module named {missing!r}",
+            hint or "check the module path and that its package is installed (pip install ...)",
+        ) from exc
+    except Exception as exc:
+        raise ConfigError.single(
+            path,
+            f"importing {module_name!r} raised {type(exc).__name__}: {exc}",
+            "fix the error in that module",
+        ) from exc
+
+
+def _sibling_modules(missing: str) -> list[str]:
+    """Module names next to ``missing``: in its parent package, or top-level ones."""
+    parent, _, _ = missing.rpartition(".")
+    if not parent:
+        return sorted(set(sys.builtin_module_names) | {m.name for m in pkgutil.iter_modules()})
+    try:
+        package = importlib.import_module(parent)
+    except Exception:
+        return []
+    return [m.name for m in pkgutil.iter_modules(getattr(package, "__path__", []))]

@@ -1,0 +1,116 @@
+"""The names a config may use: optimizers, schedules, and what other trainers call our fields.
+
+``OPTIMIZER_NAMES`` and ``SCHEDULER_NAMES`` are the one place that lists what ``functrain.optim`` builds
+by name; add a name here when ``functrain.optim`` gains one, so config validation and the Trainer agree.
+
+Example:
+    >>> "adamw" in OPTIMIZER_NAMES and "warmup_cosine" in SCHEDULER_NAMES
+    True
+    >>> metric_mode("accuracy"), metric_mode("val_loss"), metric_mode("mystery")
+    ('max', 'min', None)
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+__all__ = ["OPTIMIZER_NAMES", "RENAMED_FIELDS", "SCHEDULER_NAMES", "metric_mode"]
+
+OPTIMIZER_NAMES: tuple[str, ...] = ("sgd", "adam", "adamw", "rmsprop", "adagrad", "lion", "lamb")
+
+SCHEDULER_NAMES: tuple[str, ...] = (
+    "constant",
+    "linear",
+    "cosine",
+    "warmup_cosine",
+    "exponential",
+    "step",
+    "piecewise",
+    "polynomial",
+    "one_cycle",
+)
+
+# Field names of the Towhee, Hezar, LiBai and Hugging Face trainers, mapped to ours: difflib cannot
+# guess that "epoch_num" means "epochs", and people bring their old configs along.
+RENAMED_FIELDS: dict[str, str] = {
+    "epoch_num": "epochs",
+    "num_epochs": "epochs",
+    "num_train_epochs": "epochs",
+    "max_iter": "max_steps",
+    "train_iter": "max_steps",
+    "learning_rate": "optimizer.lr",
+    "lr": "optimizer.lr",
+    "weight_decay": "optimizer.weight_decay",
+    "optimizer.learning_rate": "optimizer.lr",
+    "lr_scheduler": "scheduler.name",
+    "lr_scheduler_type": "scheduler.name",
+    "lr_scheduler_kwargs": "scheduler.args",
+    "warmup_steps": "scheduler.warmup_steps",
+    "warmup_ratio": "scheduler.warmup_ratio",
+    "val_batch_size": "eval_batch_size",
+    "per_device_eval_batch_size": "eval_batch_size",
+    "per_device_train_batch_size": "batch_size",
+    "device_str": "device",
+    "use_cpu": "device",
+    "dataloader_num_workers": "num_workers",
+    "num_dataloader_workers": "num_workers",
+    "dataloader_pin_memory": "pin_memory",
+    "dataloader_drop_last": "drop_last",
+    "dataloader_shuffle": "shuffle",
+    "metric": "metrics",
+    "freeze_bn": "freeze.batchnorm",
+    "model_checkpoint": "save_strategy",
+    "checkpoint_dir": "checkpoints_dir",
+    "fp16": "mixed_precision",
+    "bf16": "mixed_precision",
+    "clip_grad_norm": "max_grad_norm",
+    "grad_clip": "max_grad_norm",
+    "logging_steps": "log_steps",
+    "log_period": "log_steps",
+    "evaluation_strategy": "eval_strategy",
+    "greater_is_better": "best_model_mode",
+    "criterion": "loss",
+}
+
+# Whole names (lower case, separators removed) whose direction is known; anything else ending in
+# "loss" or "error" is minimized. A name outside both is refused rather than guessed.
+_HIGHER_IS_BETTER = frozenset(
+    {
+        *("accuracy", "acc", "top1", "top5", "f1", "f1score", "fbeta", "fbetascore", "precision", "recall"),
+        *(
+            "auroc",
+            "auc",
+            "averageprecision",
+            "map",
+            "iou",
+            "jaccard",
+            "jaccardindex",
+            "dice",
+            "r2",
+            "r2score",
+        ),
+        *("psnr", "ssim", "bleu", "bleuscore", "mcc", "matthewscorrcoef", "specificity", "cosinesimilarity"),
+        "explainedvariance",
+    }
+)
+_LOWER_IS_BETTER = frozenset(
+    {"loss", "mse", "mae", "rmse", "cer", "wer", "perplexity", "ppl", "hinge", "kldivergence"}
+)
+
+
+def metric_mode(name: str) -> Literal["min", "max"] | None:
+    """Whether a smaller (``"min"``) or larger (``"max"``) value of the metric ``name`` is better.
+
+    Returns None when the name does not tell; the config then asks the user to say so.
+
+    Example:
+        >>> metric_mode("F1Score"), metric_mode("cer")
+        ('max', 'min')
+    """
+    key = re.sub(r"[^a-z0-9]", "", name.lower())
+    if key in _HIGHER_IS_BETTER:
+        return "max"
+    if key in _LOWER_IS_BETTER or key.endswith(("loss", "error")):
+        return "min"
+    return None

@@ -1,0 +1,472 @@
+"""`TrainerConfig`: every setting of a ``Trainer`` run, typed, checked as a whole, saved as YAML.
+
+Every field is consumed by the Trainer: none is accepted and then ignored. Settings that only matter
+together with another one are refused when that other one makes them meaningless (``eval_steps``
+without ``eval_strategy="steps"``, ``compile_mode`` with ``compile=false``, ...), so a config that
+loads is a config that does what it says.
+
+Counting: ``max_steps``, ``eval_steps``, ``save_steps``, ``log_steps``, ``print_steps`` and the
+scheduler's warm-up count *optimizer* steps (one update, i.e. ``gradient_accumulation_steps``
+batches), never samples.
+
+Example:
+    >>> config = TrainerConfig(epochs=3, optimizer={"lr": "3e-4"}, metrics=["accuracy"])
+    >>> config.optimizer.lr, config.metrics
+    (0.0003, {'accuracy': {}})
+    >>> config.with_overrides(["scheduler=warmup_cosine", "scheduler.warmup_ratio=0.1"]).scheduler.name
+    'warmup_cosine'
+    >>> TrainerConfig.from_yaml(config.to_yaml()) == config
+    True
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from functrain.config.coerce import plain_data
+from functrain.config.errors import ConfigError, Problem, suggestion
+from functrain.config.imports import ImportSpec, check_import_spec, normalize_import_spec
+from functrain.config.names import metric_mode
+from functrain.config.overrides import apply_well_formed_overrides
+from functrain.config.section import ConfigSection, config_section, option, rule
+from functrain.config.sections import (
+    EarlyStoppingConfig,
+    FreezeConfig,
+    LossConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+)
+from functrain.config.yaml_io import dump_yaml, load_yaml_mapping, read_yaml_source, write_text_atomic
+
+__all__ = ["TrainerConfig"]
+
+Strategy = Literal["no", "steps", "epoch"]
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+
+_DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
+
+
+def _normalize_metrics(value: Any, path: str) -> Any:
+    """Metric names as ``{name: {args}}``: from a name, a list of names / ``{name: args}``, or a mapping."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, (list, tuple)):
+        out: dict[str, Any] = {}
+        for i, item in enumerate(value):
+            if isinstance(item, Mapping) and len(item) == 1:
+                ((name, args),) = item.items()
+            elif isinstance(item, str):
+                name, args = item, {}
+            else:
+                raise ConfigError.single(
+                    f"{path}[{i}]",
+                    f"expected a metric name or {{name: {{args}}}}, got {item!r}",
+                    "write e.g. accuracy",
+                )
+            if name in out:
+                raise ConfigError.single(
+                    f"{path}[{i}]", f"metric {name!r} is listed twice", "keep one of them"
+                )
+            out[name] = args
+        value = out
+    if not isinstance(value, Mapping):
+        raise ConfigError.single(
+            path,
+            f"expected metric names, got {type(value).__name__} {value!r}",
+            "write e.g. metrics=[accuracy, f1]",
+        )
+    problems = []
+    result: dict[str, dict[str, Any]] = {}
+    for name, args in value.items():
+        if not isinstance(name, str) or not name.strip():
+            problems.append(
+                Problem(path, f"metric name {name!r} is not a non-empty string", "write e.g. accuracy")
+            )
+            continue
+        if name == "loss":
+            problems.append(
+                Problem(f"{path}.loss", "the loss is always evaluated", "remove 'loss' from metrics")
+            )
+            continue
+        if args is None:
+            args = {}
+        if not isinstance(args, Mapping):
+            problems.append(
+                Problem(f"{path}.{name}", f"arguments must be a mapping, got {args!r}", "write {}")
+            )
+            continue
+        result[name] = plain_data(args, f"{path}.{name}")
+    if problems:
+        raise ConfigError(problems)
+    return result
+
+
+def _normalize_spec(value: Any, path: str) -> Any:
+    if value is None:
+        return None
+    spec = normalize_import_spec(value, path)
+    check_import_spec(spec, path)
+    return spec
+
+
+def _normalize_early_stopping(value: Any, path: str) -> Any:
+    return None if value is False else value
+
+
+@config_section("")
+class TrainerConfig(ConfigSection):
+    """Everything a ``Trainer`` run is configured with; built from keywords, a mapping or YAML.
+
+    Invalid settings raise one :class:`~functrain.config.ConfigError` listing every problem with its
+    field path and a fix. The config is frozen; ``replace`` and ``with_overrides`` return new ones.
+
+    Example:
+        >>> config = TrainerConfig(output_dir="runs/mlp", max_steps=1000, batch_size=64, eval_strategy="steps",
+        ...                        eval_steps=100, early_stopping={"monitor": "loss", "patience": 5})
+        >>> config.early_stopping.patience, config.resolved_eval_batch_size
+        (5, 64)
+    """
+
+    # -- run
+    output_dir: str = option("outputs", doc="Run directory: checkpoints, logs and the resolved config.yaml.")
+    overwrite_output_dir: bool = option(
+        False, doc="Allow starting a new run in an output_dir that holds one."
+    )
+    seed: int = option(42, doc="Seed of the run's random key (init, shuffling, dropout).", minimum=0)
+    # -- duration
+    epochs: int | None = option(None, doc="Passes over train_dataset; set this or max_steps.", minimum=1)
+    max_steps: int | None = option(None, doc="Optimizer steps to train for; set this or epochs.", minimum=1)
+    # -- data
+    batch_size: int = option(
+        32, doc="Training samples per batch (per micro-batch with accumulation).", minimum=1
+    )
+    eval_batch_size: int | None = option(None, doc="Evaluation batch size; null uses batch_size.", minimum=1)
+    shuffle: bool = option(True, doc="Reshuffle the training data each epoch (a new order per epoch).")
+    drop_last: bool = option(False, doc="Drop the last incomplete training batch of each epoch.")
+    num_workers: int = option(0, doc="DataLoader worker processes (0 loads in the main process).", minimum=0)
+    pin_memory: bool = option(False, doc="Pin host batches in page-locked memory for faster GPU copies.")
+    # -- optimization
+    optimizer: OptimizerConfig = option(default_factory=OptimizerConfig, doc="The optimizer.")
+    scheduler: SchedulerConfig = option(default_factory=SchedulerConfig, doc="The learning-rate schedule.")
+    loss: LossConfig = option(default_factory=LossConfig, doc="The loss.")
+    gradient_accumulation_steps: int = option(
+        1, doc="Batches whose gradients make one optimizer step.", minimum=1
+    )
+    max_grad_norm: float | None = option(
+        None, doc="Clip gradients to this global norm before each update; null: no clipping.", greater_than=0
+    )
+    # -- evaluation
+    metrics: dict[str, dict[str, Any]] = option(
+        default_factory=dict,
+        doc="Metrics by name, as a list [accuracy, f1] or a mapping {name: {args}}; loss is always computed.",
+        normalize=_normalize_metrics,
+    )
+    eval_strategy: Strategy = option(
+        "epoch", doc="When to evaluate: 'epoch', every eval_steps ('steps'), or 'no'."
+    )
+    eval_steps: int | None = option(
+        None, doc="Optimizer steps between evaluations (eval_strategy=steps).", minimum=1
+    )
+    metric_for_best_model: str = option(
+        "loss", doc="Evaluation result that ranks checkpoints: 'loss' or a name from metrics."
+    )
+    best_model_mode: Literal["min", "max"] | None = option(
+        None, doc="Whether lower ('min') or higher ('max') metric_for_best_model is better; null infers it."
+    )
+    load_best_model_at_end: bool = option(False, doc="After training, restore the best evaluated checkpoint.")
+    early_stopping: EarlyStoppingConfig | None = option(
+        None,
+        doc="Stop when an evaluation result stops improving; null: off.",
+        normalize=_normalize_early_stopping,
+    )
+    # -- checkpoints
+    save_strategy: Strategy = option(
+        "epoch", doc="When to checkpoint: 'epoch', every save_steps ('steps'), or 'no'."
+    )
+    save_steps: int | None = option(
+        None, doc="Optimizer steps between checkpoints (save_strategy=steps).", minimum=1
+    )
+    save_total_limit: int | None = option(
+        None, doc="Checkpoints to keep (the best one is kept too); null keeps all.", minimum=1
+    )
+    checkpoints_dir: str = option("checkpoints", doc="Checkpoint folder, relative to output_dir.")
+    init_weights_from: str | None = option(
+        None, doc="Checkpoint or weights file to initialize the model from (weights only, not the run)."
+    )
+    resume_from_checkpoint: bool | str = option(
+        False, doc="true: resume from the latest checkpoint (fresh start if none); a path: that checkpoint."
+    )
+    # -- logging
+    log_steps: int = option(10, doc="Optimizer steps between logged training scalars.", minimum=1)
+    logs_dir: str = option("logs", doc="Log folder, relative to output_dir.")
+    tensorboard: bool = option(False, doc="Write TensorBoard event files to logs_dir.")
+    csv: bool = option(False, doc="Write logged scalars to logs_dir/metrics.csv.")
+    jsonl: bool = option(
+        True, doc="Write logged scalars to logs_dir/metrics.jsonl, one JSON object per line."
+    )
+    progress_bar: bool = option(True, doc="Show a progress bar on the console.")
+    print_steps: int | None = option(
+        None, doc="Also print a line of training scalars every this many optimizer steps.", minimum=1
+    )
+    # -- hardware and compilation
+    device: str = option(
+        "auto", doc="'auto' (CUDA if available, else CPU), 'cpu', 'cuda', 'cuda:N' or 'mps'."
+    )
+    mixed_precision: Literal["no", "bf16", "fp16"] = option(
+        "no", doc="Autocast dtype: 'no', 'bf16', or 'fp16' (with loss scaling; needs a GPU)."
+    )
+    compile: bool = option(True, doc="Compile train and eval steps with torch.compile(fullgraph=True).")
+    compile_mode: CompileMode | None = option(None, doc="torch.compile mode; null: PyTorch's default.")
+    donate: bool = option(False, doc="Let the step overwrite the incoming state's tensors (saves memory).")
+    # -- freezing
+    freeze: FreezeConfig = option(default_factory=FreezeConfig, doc="Parameters not to train.")
+    # -- objects for config-file driven runs (import specs, see functrain.config.imports)
+    model: ImportSpec | None = option(
+        None, doc="Import spec of the model (or its factory).", normalize=_normalize_spec
+    )
+    train_dataset: ImportSpec | None = option(
+        None, doc="Import spec of the training dataset.", normalize=_normalize_spec
+    )
+    eval_dataset: ImportSpec | None = option(
+        None, doc="Import spec of the evaluation dataset.", normalize=_normalize_spec
+    )
+    test_dataset: ImportSpec | None = option(
+        None, doc="Import spec of the dataset tested after training.", normalize=_normalize_spec
+    )
+
+    # ------------------------------------------------------------------------------------------ derived
+
+    @property
+    def resolved_eval_batch_size(self) -> int:
+        """``eval_batch_size``, or ``batch_size`` when it is null."""
+        return self.eval_batch_size if self.eval_batch_size is not None else self.batch_size
+
+    @property
+    def resolved_best_model_mode(self) -> Literal["min", "max"]:
+        """``best_model_mode``, or the direction inferred from ``metric_for_best_model``."""
+        mode = self.best_model_mode or metric_mode(self.metric_for_best_model)
+        if mode is None:
+            raise ConfigError([_unknown_direction("best_model_mode", self.metric_for_best_model)])
+        return mode
+
+    # ------------------------------------------------------------------------------------------ I/O
+
+    @classmethod
+    def from_yaml(cls, source: str | os.PathLike[str]) -> TrainerConfig:
+        """Load from a YAML file path or YAML text (see :func:`~functrain.config.yaml_io.read_yaml_source`).
+
+        Example:
+            >>> TrainerConfig.from_yaml("epochs: 2\\neval_strategy: no").eval_strategy
+            'no'
+        """
+        text, where = read_yaml_source(source)
+        return cls.from_dict(load_yaml_mapping(text, where))
+
+    def to_yaml(self) -> str:
+        """The full config as YAML text, every field included, that ``from_yaml`` loads back equal."""
+        return dump_yaml(self.to_dict())
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write ``to_yaml()`` to ``path`` atomically (parent folders are created); returns the path.
+
+        Example:
+            >>> import tempfile, pathlib
+            >>> config = TrainerConfig(epochs=1)
+            >>> TrainerConfig.from_yaml(config.save(pathlib.Path(tempfile.mkdtemp()) / "config.yaml")) == config
+            True
+        """
+        return write_text_atomic(path, self.to_yaml())
+
+    def with_overrides(self, overrides: Sequence[str]) -> TrainerConfig:
+        """A new config with dotted ``key=value`` overrides applied (values parsed as YAML).
+
+        Example:
+            >>> TrainerConfig(epochs=1).with_overrides(["optimizer.lr=3e-4", "epochs=5"]).epochs
+            5
+        """
+        if isinstance(overrides, str):
+            overrides = [overrides]
+        data, problems = apply_well_formed_overrides(self.to_dict(), overrides, type(self))
+        try:
+            config = type(self).from_dict(data)
+        except ConfigError as err:
+            problems += err.problems
+        if problems:  # malformed overrides and the problems of the well-formed ones, in one error
+            raise ConfigError(problems)
+        return config
+
+    # ------------------------------------------------------------------------------------------ rules
+
+    @rule("epochs", "max_steps")
+    def _one_duration(self) -> Iterable[Problem]:
+        if self.epochs is None and self.max_steps is None:
+            yield Problem("epochs", "neither epochs nor max_steps is set", "set epochs=N or max_steps=N")
+        elif self.epochs is not None and self.max_steps is not None:
+            yield Problem(
+                "max_steps",
+                f"is set together with epochs ({self.epochs}); which one ends training would be ambiguous",
+                "keep only one of epochs and max_steps",
+            )
+
+    @rule("eval_strategy", "eval_steps")
+    def _eval_steps_match_strategy(self) -> Iterable[Problem]:
+        yield from _steps_match_strategy("eval", self.eval_strategy, self.eval_steps)
+
+    @rule("save_strategy", "save_steps")
+    def _save_steps_match_strategy(self) -> Iterable[Problem]:
+        yield from _steps_match_strategy("save", self.save_strategy, self.save_steps)
+
+    @rule("eval_strategy", "early_stopping")
+    def _early_stopping_needs_eval(self) -> Iterable[Problem]:
+        if self.early_stopping is not None and self.eval_strategy == "no":
+            yield Problem(
+                "early_stopping",
+                "needs evaluation results, but eval_strategy is 'no'",
+                "set eval_strategy=epoch (or steps with eval_steps), or early_stopping=null",
+            )
+
+    @rule("metrics", "early_stopping")
+    def _early_stopping_monitor(self) -> Iterable[Problem]:
+        if self.early_stopping is None:
+            return
+        yield from _monitored("early_stopping.monitor", self.early_stopping.monitor, self.metrics)
+        if self.early_stopping.resolved_mode is None:
+            yield _unknown_direction("early_stopping.mode", self.early_stopping.monitor)
+
+    @rule("metrics", "metric_for_best_model", "best_model_mode", "eval_strategy")
+    def _best_model_metric(self) -> Iterable[Problem]:
+        if self.eval_strategy == "no":
+            return  # no evaluation, no ranking: metric_for_best_model keeps its default
+        yield from _monitored("metric_for_best_model", self.metric_for_best_model, self.metrics)
+        if self.best_model_mode is None and metric_mode(self.metric_for_best_model) is None:
+            yield _unknown_direction("best_model_mode", self.metric_for_best_model)
+
+    @rule("load_best_model_at_end", "eval_strategy", "eval_steps", "save_strategy", "save_steps")
+    def _best_model_needs_evaluated_checkpoints(self) -> Iterable[Problem]:
+        if not self.load_best_model_at_end:
+            return
+        if self.eval_strategy == "no":
+            yield Problem(
+                "load_best_model_at_end",
+                "needs evaluation, but eval_strategy is 'no'",
+                "set eval_strategy=epoch",
+            )
+        elif self.save_strategy == "no":
+            yield Problem(
+                "load_best_model_at_end",
+                "needs checkpoints, but save_strategy is 'no'",
+                f"set save_strategy={self.eval_strategy}",
+            )
+        elif self.save_strategy != self.eval_strategy:
+            yield Problem(
+                "save_strategy",
+                f"is {self.save_strategy!r} but eval_strategy is {self.eval_strategy!r}: with "
+                "load_best_model_at_end every checkpoint needs an evaluation result",
+                f"set save_strategy={self.eval_strategy}",
+            )
+        elif self.save_steps and self.eval_steps and self.save_steps % self.eval_steps:
+            yield Problem(
+                "save_steps",
+                f"({self.save_steps}) is not a multiple of eval_steps ({self.eval_steps}): with "
+                "load_best_model_at_end every checkpoint needs an evaluation result",
+                f"set save_steps to a multiple of {self.eval_steps}",
+            )
+
+    @rule("device")
+    def _device_format(self) -> Iterable[Problem]:
+        if not _DEVICE.fullmatch(self.device):
+            yield Problem(
+                "device",
+                f"{self.device!r} is not a device this trainer accepts",
+                "use 'auto', 'cpu', 'cuda', 'cuda:N' (N a GPU index) or 'mps'",
+            )
+
+    @rule("device", "mixed_precision")
+    def _fp16_needs_gpu(self) -> Iterable[Problem]:
+        if self.mixed_precision == "fp16" and self.device == "cpu":
+            yield Problem(
+                "mixed_precision",
+                "fp16 is not supported on device 'cpu'",
+                "use mixed_precision=bf16 on CPU, or a GPU",
+            )
+
+    @rule("device", "pin_memory")
+    def _pin_memory_needs_gpu(self) -> Iterable[Problem]:
+        if self.pin_memory and self.device == "cpu":
+            yield Problem(
+                "pin_memory", "only speeds up copies to a GPU, and device is 'cpu'", "set pin_memory=false"
+            )
+
+    @rule("compile", "compile_mode")
+    def _compile_mode_needs_compile(self) -> Iterable[Problem]:
+        if self.compile_mode is not None and not self.compile:
+            yield Problem(
+                "compile_mode", "is set but compile is false", "set compile=true, or compile_mode=null"
+            )
+
+    @rule("max_steps", "scheduler")
+    def _warmup_within_run(self) -> Iterable[Problem]:
+        warmup = self.scheduler.warmup_steps
+        if self.max_steps is not None and warmup is not None and warmup >= self.max_steps:
+            yield Problem(
+                "scheduler.warmup_steps",
+                f"({warmup}) is not shorter than the run (max_steps={self.max_steps})",
+                f"set scheduler.warmup_steps below {self.max_steps}",
+            )
+
+    @rule("init_weights_from", "resume_from_checkpoint")
+    def _init_or_resume(self) -> Iterable[Problem]:
+        if self.init_weights_from is not None and isinstance(self.resume_from_checkpoint, str):
+            yield Problem(
+                "init_weights_from",
+                "would be overwritten: resume_from_checkpoint restores the weights from its checkpoint",
+                "remove init_weights_from, or resume_from_checkpoint",
+            )
+
+    @rule("resume_from_checkpoint", "init_weights_from", "output_dir", "checkpoints_dir", "logs_dir")
+    def _paths_not_empty(self) -> Iterable[Problem]:
+        for name in (
+            "output_dir",
+            "checkpoints_dir",
+            "logs_dir",
+            "init_weights_from",
+            "resume_from_checkpoint",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, str) and not value.strip():
+                yield Problem(name, "is an empty string", f"set {name} to a path, or leave it at its default")
+
+
+def _steps_match_strategy(kind: str, strategy: str, steps: int | None) -> Iterable[Problem]:
+    if strategy == "steps" and steps is None:
+        yield Problem(f"{kind}_steps", f"is missing, but {kind}_strategy is 'steps'", f"set {kind}_steps=N")
+    elif strategy != "steps" and steps is not None:
+        yield Problem(
+            f"{kind}_steps",
+            f"is only used with {kind}_strategy='steps', but {kind}_strategy is {strategy!r}",
+            f"set {kind}_strategy=steps, or remove {kind}_steps",
+        )
+
+
+def _monitored(path: str, name: str, metrics: Mapping[str, Any]) -> Iterable[Problem]:
+    if name == "loss" or name in metrics:
+        return
+    available = ["loss", *metrics]
+    hint = suggestion(name, available)
+    yield Problem(
+        path,
+        f"{name!r} is not evaluated (evaluation yields: {', '.join(available)})",
+        f"{hint + ' ' if hint else ''}add {name!r} to metrics or monitor 'loss'",
+    )
+
+
+def _unknown_direction(path: str, name: str) -> Problem:
+    return Problem(
+        path, f"cannot tell whether a higher or lower {name!r} is better", f"set {path}=max or {path}=min"
+    )
