@@ -1,0 +1,48 @@
+"""`TensorBoardWriter`: real TensorBoard event files through ``torch.utils.tensorboard``.
+
+On resume from a checkpoint taken at step ``S`` the writer passes ``purge_step=S + 1``: TensorBoard
+then hides the events a crashed run logged after that checkpoint, so curves do not fold back.
+
+Example:
+    >>> import tempfile
+    >>> with TensorBoardWriter(tempfile.mkdtemp()) as tb:
+    ...     tb.write(1, {"train/loss": 0.5})
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from functrain.logging.writer import WriterBase, check_scalars
+
+__all__ = ["TensorBoardWriter"]
+
+
+class TensorBoardWriter(WriterBase):
+    """``add_scalar(name, value, step)`` for every scalar; names with ``/`` group into TensorBoard sections."""
+
+    def __init__(self, log_dir: str | os.PathLike[str], *, resume_step: int | None = None) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as err:  # tensorboard is a dependency, but may be missing in a slim install
+            raise ImportError(
+                "TensorBoardWriter needs the tensorboard package: pip install tensorboard"
+            ) from err
+        purge_step = None if resume_step is None else resume_step + 1
+        self.log_dir = os.fspath(log_dir)
+        self._writer = SummaryWriter(log_dir=self.log_dir, purge_step=purge_step)
+        self._closed = False
+
+    def write(self, step: int, scalars: Mapping[str, float]) -> None:
+        for name, value in check_scalars(step, scalars).items():
+            self._writer.add_scalar(name, value, global_step=step)
+
+    def flush(self) -> None:
+        if not self._closed:
+            self._writer.flush()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._writer.close()
+            self._closed = True

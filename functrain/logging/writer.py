@@ -1,0 +1,98 @@
+"""The writer protocol: ``write(step, scalars)``, ``flush()``, ``close()``; and `MultiWriter`.
+
+Writers are host-side: they receive plain Python numbers (convert tensors first with
+:func:`functrain.logging.to_floats` or a :class:`~functrain.logging.History`).
+
+Example:
+    >>> import io
+    >>> from functrain.logging import ConsoleWriter
+    >>> out = io.StringIO()
+    >>> with MultiWriter([ConsoleWriter(out)]) as writer:
+    ...     writer.write(3, {"loss": 0.5})
+    >>> out.getvalue()
+    'step 3 | loss 0.5\\n'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["MultiWriter", "Writer", "WriterBase", "check_scalars"]
+
+
+def check_scalars(step: Any, scalars: Any) -> dict[str, int | float]:
+    """Validate a ``write`` call: ``step`` an int >= 0, ``scalars`` a ``{str: number}`` mapping.
+
+    Example:
+        >>> check_scalars(1, {"loss": 2})
+        {'loss': 2}
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise TypeError(f"write: step must be an int >= 0, got {step!r}")
+    if not isinstance(scalars, Mapping):
+        raise TypeError(f"write: scalars must be a mapping {{name: number}}, got {type(scalars).__name__}")
+    out: dict[str, int | float] = {}
+    for name, value in scalars.items():
+        if not isinstance(name, str) or not name or name == "step":
+            raise ValueError(f"write: scalar names must be non-empty strings other than 'step', got {name!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(
+                f"write: scalar {name!r} is a {type(value).__name__}; pass a Python number "
+                "(convert tensors once with functrain.logging.to_floats)"
+            )
+        out[name] = value
+    return out
+
+
+@runtime_checkable
+class Writer(Protocol):
+    """Anything that takes ``write(step, {name: number})``, ``flush()`` and ``close()``."""
+
+    def write(self, step: int, scalars: Mapping[str, float]) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class WriterBase:
+    """Context-manager support for writers: ``with JSONLWriter(dir) as w: ...`` closes ``w``."""
+
+    def flush(self) -> None:
+        """Nothing buffered by default."""
+
+    def close(self) -> None:
+        self.flush()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class MultiWriter(WriterBase):
+    """Fan one ``write`` out to several writers.
+
+    Example:
+        >>> MultiWriter([]).write(0, {"loss": 1.0})
+    """
+
+    def __init__(self, writers: Iterable[Writer]) -> None:
+        self.writers = list(writers)
+        for w in self.writers:
+            if not isinstance(w, Writer):
+                raise TypeError(f"MultiWriter: {type(w).__name__} lacks write/flush/close")
+
+    def write(self, step: int, scalars: Mapping[str, float]) -> None:
+        for w in self.writers:
+            w.write(step, scalars)
+
+    def flush(self) -> None:
+        for w in self.writers:
+            w.flush()
+
+    def close(self) -> None:
+        for w in self.writers:
+            w.close()
