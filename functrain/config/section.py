@@ -270,6 +270,7 @@ def section_of(hint: Any) -> type[ConfigSection] | None:
 
 @functools.cache
 def type_hints(cls: type) -> dict[str, Any]:
+    """The resolved type hints of a section's fields (cached: sections are built often)."""
     return typing.get_type_hints(cls)
 
 

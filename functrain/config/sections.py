@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
@@ -158,7 +159,8 @@ class SchedulerConfig(ConfigSection):
         yield from _reserved_args("scheduler.args", self.args, reserved)
 
 
-def torch_loss_names() -> list[str]:
+@functools.cache
+def torch_loss_names() -> tuple[str, ...]:
     """Names of the loss classes in ``torch.nn`` (``"CrossEntropyLoss"``, ``"MSELoss"``, ...).
 
     Example:
@@ -175,7 +177,7 @@ def torch_loss_names() -> list[str]:
             and (issubclass(obj, base) or name.endswith("Loss"))
         ):
             names.append(name)
-    return sorted(names)
+    return tuple(sorted(names))
 
 
 @config_section("loss")
@@ -210,7 +212,7 @@ class LossConfig(ConfigSection):
                 return
         else:
             loss_class = getattr(torch.nn, self.name, None)
-            if self.name not in torch_loss_names():
+            if self.name not in torch_loss_names():  # also refuses non-loss modules such as Linear
                 yield _name_problem("loss.name", self.name, torch_loss_names(), "torch.nn loss")
                 return
         yield from _args_fit_signature(loss_class, self.args, "loss.args")
