@@ -12,8 +12,9 @@ Example:
     >>> state, metrics = train_step(state, (torch.randn(16, 8), torch.randint(0, 3, (16,))))
 """
 
-from functrain import optim, precision, random, tree
+from functrain import callbacks, checkpoint, data, logging, metrics, optim, precision, random, tree
 from functrain.jit import CompiledStep, DonatedStateError, GraphBreakError, RecompileError, jit
+from functrain.loop import FitResult, evaluate, fit, predict
 from functrain.state import TrainState
 from functrain.step import (
     make_eval_step,
@@ -26,11 +27,20 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CompiledStep",
+    "FitResult",
     "DonatedStateError",
     "GraphBreakError",
     "RecompileError",
     "TrainState",
     "__version__",
+    "callbacks",
+    "checkpoint",
+    "data",
+    "evaluate",
+    "fit",
+    "logging",
+    "metrics",
+    "predict",
     "jit",
     "make_eval_step",
     "make_predict_step",

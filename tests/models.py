@@ -18,7 +18,7 @@ class SmallCNN(nn.Module):
     def __init__(self, classes: int = 4, dropout: float = 0.2) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2)
+            nn.Conv2d(1, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2)
         )
         self.dropout = nn.Dropout(dropout)
         self.head = nn.Linear(4 * 4 * 4, classes)

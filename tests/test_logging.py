@@ -90,9 +90,16 @@ def test_jsonl_lines_parse_and_resume_drops_later_steps(tmp_path) -> None:
         writer.write(4, {"loss": 0.0})
     steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
-    with flog.JSONLWriter(tmp_path):  # a fresh run starts an empty file
-        pass
-    assert path.read_text() == ""
+    with flog.JSONLWriter(tmp_path) as writer:  # a fresh run starts the file anew at its first write
+        writer.write(1, {"loss": 2.0})
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1]
+    writer = flog.JSONLWriter(tmp_path)  # fit() tells a writer where a resumed run restarts
+    writer.resume_from(1)
+    writer.write(2, {"loss": 1.5})
+    writer.close()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+    with pytest.raises(RuntimeError, match="already"):
+        writer.resume_from(1)
 
 
 def test_csv_new_columns_rewrite_header_and_resume(tmp_path) -> None:

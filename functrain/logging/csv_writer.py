@@ -24,12 +24,12 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from functrain.logging._atomic import replace_text
-from functrain.logging.writer import WriterBase, check_scalars
+from functrain.logging.writer import LazyWriter, check_scalars
 
 __all__ = ["CSVWriter"]
 
 
-class CSVWriter(WriterBase):
+class CSVWriter(LazyWriter):
     """Writes ``step`` plus one column per scalar name to ``log_dir/filename``."""
 
     def __init__(
@@ -41,6 +41,9 @@ class CSVWriter(WriterBase):
     ) -> None:
         self.path = Path(log_dir) / filename
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        super().__init__(resume_step)
+
+    def _open(self, resume_step: int | None) -> None:
         self._columns: list[str] = ["step"]
         rows: list[dict[str, str]] = []
         if resume_step is not None and self.path.exists():
@@ -67,6 +70,7 @@ class CSVWriter(WriterBase):
         self._writer = csv.DictWriter(self._file, fieldnames=self._columns, restval="")
 
     def write(self, step: int, scalars: Mapping[str, float]) -> None:
+        self._ensure_open()
         scalars = check_scalars(step, scalars)
         new = [name for name in scalars if name not in self._columns]
         if new:
@@ -79,11 +83,11 @@ class CSVWriter(WriterBase):
         self._file.flush()
 
     def flush(self) -> None:
-        if not self._file.closed:
+        if self._opened and not self._file.closed:
             self._file.flush()
             os.fsync(self._file.fileno())
 
     def close(self) -> None:
-        if not self._file.closed:
+        if self._opened and not self._file.closed:
             self.flush()
             self._file.close()

@@ -117,6 +117,18 @@ class History:
         self._known(name)
         return list(zip(self._steps[name], self._values[name]))
 
+    def at(self, step: int) -> dict[str, float]:
+        """Every name's value recorded at ``step`` (its last entry, when that entry is at ``step``).
+
+        Example:
+            >>> h = History()
+            >>> h.put("loss", 0.5, 10); h.put("lr", 0.1, 10); h.put("loss", 0.4, 20)
+            >>> h.at(10), h.at(20)
+            ({'lr': 0.1}, {'loss': 0.4})
+        """
+        self.flush()
+        return {n: vals[-1] for n, vals in self._values.items() if self._steps[n] and self._steps[n][-1] == step}
+
     def as_dict(self) -> dict[str, dict[str, list[Any]]]:
         """``{name: {"steps": [int], "values": [float]}}``: plain data for checkpoints (msgpack, JSON)."""
         self.flush()

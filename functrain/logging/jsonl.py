@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from functrain.logging._atomic import replace_text
-from functrain.logging.writer import WriterBase, check_scalars
+from functrain.logging.writer import LazyWriter, check_scalars
 
 __all__ = ["JSONLWriter", "read_jsonl"]
 
@@ -51,7 +51,7 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return records
 
 
-class JSONLWriter(WriterBase):
+class JSONLWriter(LazyWriter):
     """Appends ``{"step": step, **scalars}`` lines to ``log_dir/filename``."""
 
     def __init__(
@@ -63,6 +63,9 @@ class JSONLWriter(WriterBase):
     ) -> None:
         self.path = Path(log_dir) / filename
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        super().__init__(resume_step)
+
+    def _open(self, resume_step: int | None) -> None:
         if resume_step is not None and self.path.exists():
             kept = [r for r in read_jsonl(self.path) if r["step"] <= resume_step]
             replace_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
@@ -71,16 +74,17 @@ class JSONLWriter(WriterBase):
             self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 (closed by close())
 
     def write(self, step: int, scalars: Mapping[str, float]) -> None:
+        self._ensure_open()
         record = {"step": step, **check_scalars(step, scalars)}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
     def flush(self) -> None:
-        if not self._file.closed:
+        if self._opened and not self._file.closed:
             self._file.flush()
             os.fsync(self._file.fileno())
 
     def close(self) -> None:
-        if not self._file.closed:
+        if self._opened and not self._file.closed:
             self.flush()
             self._file.close()

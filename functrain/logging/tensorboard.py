@@ -14,12 +14,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from functrain.logging.writer import WriterBase, check_scalars
+from functrain.logging.writer import LazyWriter, check_scalars
 
 __all__ = ["TensorBoardWriter"]
 
 
-class TensorBoardWriter(WriterBase):
+class TensorBoardWriter(LazyWriter):
     """``add_scalar(name, value, step)`` for every scalar; names with ``/`` group into TensorBoard sections."""
 
     def __init__(self, log_dir: str | os.PathLike[str], *, resume_step: int | None = None) -> None:
@@ -29,20 +29,25 @@ class TensorBoardWriter(WriterBase):
             raise ImportError(
                 "TensorBoardWriter needs the tensorboard package: pip install tensorboard"
             ) from err
-        purge_step = None if resume_step is None else resume_step + 1
         self.log_dir = os.fspath(log_dir)
-        self._writer = SummaryWriter(log_dir=self.log_dir, purge_step=purge_step)
+        self._summary_writer_cls = SummaryWriter
         self._closed = False
+        super().__init__(resume_step)
+
+    def _open(self, resume_step: int | None) -> None:
+        purge_step = None if resume_step is None else resume_step + 1
+        self._writer = self._summary_writer_cls(log_dir=self.log_dir, purge_step=purge_step)
 
     def write(self, step: int, scalars: Mapping[str, float]) -> None:
+        self._ensure_open()
         for name, value in check_scalars(step, scalars).items():
             self._writer.add_scalar(name, value, global_step=step)
 
     def flush(self) -> None:
-        if not self._closed:
+        if self._opened and not self._closed:
             self._writer.flush()
 
     def close(self) -> None:
-        if not self._closed:
+        if self._opened and not self._closed:
             self._writer.close()
             self._closed = True

@@ -72,6 +72,31 @@ class WriterBase:
         self.close()
 
 
+class LazyWriter(WriterBase):
+    """A writer that opens its files at the first write, so that ``fit`` can first tell it, with
+    :meth:`resume_from`, the step a resumed run restarts from (later entries are then dropped, earlier
+    ones kept). Without a resume step the files start empty.
+    """
+
+    def __init__(self, resume_step: int | None = None) -> None:
+        self._resume_step = resume_step
+        self._opened = False
+
+    def resume_from(self, step: int | None) -> None:
+        """Keep entries up to ``step`` (``None``: start fresh); must come before the first write."""
+        if self._opened:
+            raise RuntimeError(f"{type(self).__name__}.resume_from: the writer has already been written to")
+        self._resume_step = step
+
+    def _ensure_open(self) -> None:
+        if not self._opened:
+            self._open(self._resume_step)
+            self._opened = True
+
+    def _open(self, resume_step: int | None) -> None:
+        raise NotImplementedError
+
+
 class MultiWriter(WriterBase):
     """Fan one ``write`` out to several writers.
 

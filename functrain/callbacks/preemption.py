@@ -1,0 +1,53 @@
+"""Preemption: SIGTERM or SIGINT saves a checkpoint and ends the run cleanly; the next fit resumes."""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+from functrain.callbacks.base import Callback, Context
+
+__all__ = ["Preemption"]
+
+
+class Preemption(Callback):
+    """On SIGTERM (a scheduler's preemption) or SIGINT (Ctrl-C), finish the current step, save a
+    checkpoint and stop. ``fit`` then returns with ``result.preempted``; run it again with
+    ``resume=True`` to continue exactly where it stopped.
+
+    The handlers are installed at train begin and the previous ones restored at train end.
+
+    Example:
+        >>> ft.fit(state, step, data, batch_size=32, epochs=10, checkpoints="ckpt", callbacks=[Preemption()])
+    """
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
+        self.signals = signals
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C interrupts at once
+        self.received = signum
+
+    def on_train_begin(self, state: Any, ctx: Context) -> Any:
+        self.received = None
+        try:
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._handler)
+        except ValueError:  # not the main thread: signals cannot be handled here
+            self._previous.clear()
+        return state
+
+    def on_step_end(self, state: Any, ctx: Context) -> Any:
+        if self.received is not None:
+            ctx.control.save()
+            ctx.control.stop(f"preempted by {signal.Signals(self.received).name}")
+        return state
+
+    def on_train_end(self, state: Any, ctx: Context) -> Any:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+        return state

@@ -1,0 +1,97 @@
+"""Progress reporting: a tqdm progress bar (terminal and notebook) and a print-every-N alternative."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from functrain.callbacks.base import Callback, Context
+
+__all__ = ["PrintMetrics", "ProgressBar"]
+
+
+def _format(logs: dict[str, float], keys: list[str] | None = None) -> str:
+    items = [(k, v) for k, v in logs.items() if keys is None or k in keys]
+    return "  ".join(f"{k}={v:.4g}" for k, v in items)
+
+
+class ProgressBar(Callback):
+    """A ``tqdm.auto`` progress bar over optimizer steps, showing the latest logged loss and metrics.
+
+    The bar only shows values the loop has already logged, so it never syncs the device itself.
+
+    Example:
+        >>> ft.fit(state, step, data, batch_size=32, epochs=1, callbacks=[ProgressBar(leave=False)])
+    """
+
+    def __init__(self, *, leave: bool = True, keys: list[str] | None = None) -> None:
+        self.leave = leave
+        self.keys = keys
+        self._bar: Any = None
+        self._shown: dict[str, float] = {}
+
+    def on_train_begin(self, state: Any, ctx: Context) -> Any:
+        from tqdm.auto import tqdm
+
+        self._bar = tqdm(total=ctx.max_steps, initial=ctx.step, leave=self.leave, unit="step", dynamic_ncols=True)
+        return state
+
+    def on_step_end(self, state: Any, ctx: Context) -> Any:
+        if self._bar is not None:
+            self._bar.update(1)
+        return state
+
+    def _refresh(self, ctx: Context) -> None:
+        if self._bar is not None and ctx.logs and ctx.logs != self._shown:
+            self._shown = dict(ctx.logs)
+            keys = self.keys or [k for k in ctx.logs if k.endswith("loss") or k.startswith("eval/")][:6]
+            self._bar.set_postfix_str(_format(ctx.logs, keys), refresh=False)
+
+    def on_epoch_end(self, state: Any, ctx: Context) -> Any:
+        self._refresh(ctx)
+        return state
+
+    def on_eval_end(self, state: Any, ctx: Context) -> Any:
+        self._refresh(ctx)
+        return state
+
+    def on_step_begin(self, state: Any, ctx: Context) -> Any:
+        self._refresh(ctx)
+        return state
+
+    def on_train_end(self, state: Any, ctx: Context) -> Any:
+        if self._bar is not None:
+            self._refresh(ctx)
+            self._bar.close()
+            self._bar = None
+        return state
+
+
+class PrintMetrics(Callback):
+    """Print the logged values every ``every`` steps (Towhee's ``print_steps``) and after evaluations.
+
+    Example:
+        >>> ft.fit(state, step, data, batch_size=32, epochs=1, log_every=10, progress=False,
+        ...        callbacks=[PrintMetrics(every=10)])
+    """
+
+    def __init__(self, every: int = 50, print_fn: Any = print) -> None:
+        if every < 1:
+            raise ValueError(f"PrintMetrics: every must be >= 1, got {every}")
+        self.every = every
+        self.print_fn = print_fn
+        self._last = -1
+
+    def on_step_begin(self, state: Any, ctx: Context) -> Any:
+        # Logged values of the previous step are ready once the loop has written them.
+        if ctx.step and ctx.step % self.every == 0 and ctx.step != self._last and ctx.logs:
+            self._last = ctx.step
+            self.print_fn(f"step {ctx.step}  epoch {ctx.epoch}  {_format(ctx.logs)}")
+        return state
+
+    def on_eval_end(self, state: Any, ctx: Context) -> Any:
+        self.print_fn(f"step {ctx.step}  eval  {_format(ctx.eval_metrics or {})}")
+        return state
+
+    def on_train_end(self, state: Any, ctx: Context) -> Any:
+        self.print_fn(f"done at step {ctx.step}  {_format(ctx.logs)}")
+        return state
