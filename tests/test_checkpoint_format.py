@@ -33,7 +33,11 @@ def tensors(draw: st.DrawFn) -> torch.Tensor:
     for size in shape:
         numel *= size
     raw = draw(st.binary(min_size=numel * dtype.itemsize, max_size=numel * dtype.itemsize))
-    t = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape) if raw else torch.empty(shape, dtype=dtype)
+    t = (
+        torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
+        if raw
+        else torch.empty(shape, dtype=dtype)
+    )
     if t.dim() >= 2 and draw(st.booleans()):
         t = t.transpose(0, 1)  # non-contiguous
     elif t.dim() == 1 and t.numel() > 1 and draw(st.booleans()):
@@ -106,7 +110,9 @@ def test_large_non_contiguous_tensor_is_copied_a_slice_at_a_time(tmp_path):
 
 def test_header_is_read_without_tensors(tmp_path):
     state = {"params": {"w": torch.zeros(3, 4, dtype=torch.bfloat16)}, "step": 12, "note": None}
-    checkpoint.save(tmp_path / "h.ckpt", state, step=12, metrics={"loss": torch.tensor(0.5)}, metadata={"a": (1, 2)})
+    checkpoint.save(
+        tmp_path / "h.ckpt", state, step=12, metrics={"loss": torch.tensor(0.5)}, metadata={"a": (1, 2)}
+    )
     header = checkpoint.read_header(tmp_path / "h.ckpt")
     assert header.step == 12 and header.format_version == fmt.FORMAT_VERSION
     assert header.torch_version == torch.__version__
@@ -148,8 +154,10 @@ def test_unsupported_leaves_name_their_path(tmp_path):
     with pytest.raises(checkpoint.CheckpointError, match=r"big.*64 bits"):
         checkpoint.save(tmp_path / "x.ckpt", {"big": 2**70})
     with pytest.raises(checkpoint.CheckpointError, match=r"q.*quint8|quint8.*q"):
-        checkpoint.save(tmp_path / "x.ckpt", {"q": torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.quint8)})
-    with pytest.raises(checkpoint.CheckpointError, match="metadata.*JSON-like"):
+        checkpoint.save(
+            tmp_path / "x.ckpt", {"q": torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.quint8)}
+        )
+    with pytest.raises(checkpoint.CheckpointError, match=r"metadata.*JSON-like"):
         checkpoint.save(tmp_path / "x.ckpt", {}, metadata={"f": object()})
     assert not (tmp_path / "x.ckpt").exists()
     assert list(tmp_path.iterdir()) == [], "a failed save leaves no temporary file"

@@ -35,7 +35,9 @@ def assert_bit_equal(got: Any, expected: Any, path: str = "") -> None:
     elif isinstance(expected, float):
         assert binary.pack("<d", got) == binary.pack("<d", expected), path
     elif isinstance(expected, complex):
-        assert binary.pack("<dd", got.real, got.imag) == binary.pack("<dd", expected.real, expected.imag), path
+        assert binary.pack("<dd", got.real, got.imag) == binary.pack("<dd", expected.real, expected.imag), (
+            path
+        )
     elif isinstance(expected, dict):
         assert list(got) == list(expected), path
         for key in expected:

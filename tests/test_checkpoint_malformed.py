@@ -28,7 +28,13 @@ def _deep_tree_header(depth: int) -> bytes:
     without_tree = {k: v for k, v in _header({"tensors": []}).items() if k != "tree"}
     packed = msgpack.packb(without_tree, use_bin_type=True)
     assert packed[0] == 0x80 | len(without_tree)
-    return bytes([packed[0] + 1]) + packed[1:] + msgpack.packb("tree") + b"\x91" * depth + msgpack.packb(["none"])
+    return (
+        bytes([packed[0] + 1])
+        + packed[1:]
+        + msgpack.packb("tree")
+        + b"\x91" * depth
+        + msgpack.packb(["none"])
+    )
 
 
 def _header_bytes(**changes) -> bytes:
@@ -52,10 +58,19 @@ def _header(changes: dict) -> dict:
     return header
 
 
-def _crafted(header_changes: dict, body: bytes = b"", *, end: bytes = fmt.END, raw_header: bytes | None = None) -> bytes:
+def _crafted(
+    header_changes: dict, body: bytes = b"", *, end: bytes = fmt.END, raw_header: bytes | None = None
+) -> bytes:
     header = _header(header_changes)
     packed = raw_header if raw_header is not None else msgpack.packb(header, use_bin_type=True)
-    return fmt.MAGIC + fmt._ITEM.pack(0xC6, len(packed)) + packed + fmt._ITEM.pack(0xCE, zlib.crc32(packed)) + body + end
+    return (
+        fmt.MAGIC
+        + fmt._ITEM.pack(0xC6, len(packed))
+        + packed
+        + fmt._ITEM.pack(0xCE, zlib.crc32(packed))
+        + body
+        + end
+    )
 
 
 def _chunk(data: bytes) -> bytes:
@@ -74,7 +89,8 @@ CRAFTED = {
     "header is a list": _crafted({}, GOOD_BODY, raw_header=msgpack.packb([1, 2, 3])),
     "header length huge": fmt.MAGIC + fmt._ITEM.pack(0xC6, 0xFFFFFFFF) + b"\x00" * 64,
     "header checksum wrong": _crafted({}, GOOD_BODY).replace(
-        fmt._ITEM.pack(0xCE, zlib.crc32(_header_bytes())), fmt._ITEM.pack(0xCE, zlib.crc32(_header_bytes()) ^ 1)
+        fmt._ITEM.pack(0xCE, zlib.crc32(_header_bytes())),
+        fmt._ITEM.pack(0xCE, zlib.crc32(_header_bytes()) ^ 1),
     ),
     "future format": _crafted({"format": 99}, GOOD_BODY),
     "format as bool": _crafted({"format": True}, GOOD_BODY),
@@ -92,9 +108,7 @@ CRAFTED = {
     "end marker missing": _crafted({}, GOOD_BODY, end=b"\xa3enx"),
     "trailing garbage": _crafted({}, GOOD_BODY) + b"\x00",
     "tree index out of range": _crafted({"tree": ["dict", [["w", ["tensor", 5]]]]}, GOOD_BODY),
-    "tree uses a tensor twice": _crafted(
-        {"tree": ["list", [["tensor", 0], ["tensor", 0]]]}, GOOD_BODY
-    ),
+    "tree uses a tensor twice": _crafted({"tree": ["list", [["tensor", 0], ["tensor", 0]]]}, GOOD_BODY),
     "tree unknown node": _crafted({"tree": ["object", "os.system", "echo"]}, GOOD_BODY),
     "tree node is not a list": _crafted({"tree": {"w": 1}}, GOOD_BODY),
     "tree node arity wrong": _crafted({"tree": ["dict", [["w", ["tensor", 0]]], "extra"]}, GOOD_BODY),

@@ -94,7 +94,9 @@ def test_to_state_dict_feeds_load_state_dict():
 def test_safetensors_round_trip(tmp_path):
     pytest.importorskip("safetensors")  # an optional dependency; installed in the dev extra
     state = _state(_model(3))
-    checkpoint.save(tmp_path / "s.ckpt", state, metadata={"tied_parameters": {"head": "2.weight"}}, fsync=False)
+    checkpoint.save(
+        tmp_path / "s.ckpt", state, metadata={"tied_parameters": {"head": "2.weight"}}, fsync=False
+    )
     checkpoint.export(tmp_path / "s.ckpt", tmp_path / "m.safetensors", format="safetensors")
     weights = checkpoint.load_state_dict(tmp_path / "m.safetensors")
     assert torch.equal(weights["head"], state.params["2.weight"])
