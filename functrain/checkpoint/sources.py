@@ -41,7 +41,12 @@ def import_safetensors() -> Any:
 
 
 def weight_name(path: structure.Path) -> str | None:
-    """The parameter/buffer name a checkpoint path holds: ``("params", "fc.weight")`` -> ``"fc.weight"``."""
+    """The parameter/buffer name a checkpoint path holds: ``("params", "fc.weight")`` -> ``"fc.weight"``.
+
+    ``fit`` saves ``{"state": train_state, "loop": ...}``, so ``("state", "params", name)`` counts too.
+    """
+    if len(path) == 3 and path[0] == "state":
+        path = path[1:]
     if len(path) == 2 and path[0] in _WEIGHT_GROUPS and isinstance(path[1], str):
         return path[1]
     return None
