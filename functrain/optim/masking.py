@@ -37,6 +37,7 @@ import torch
 from functrain import tree
 from functrain.optim._leaves import describe_mismatch
 from functrain.optim.base import GradientTransformation, OptState
+from functrain.optim.selection import param_names
 from functrain.tree import PyTree
 
 __all__ = ["FreezeState", "MaskedState", "MultiTransformState", "freeze", "masked", "multi_transform"]
@@ -65,22 +66,52 @@ class FreezeState:
     inner_state: OptState
 
 
-def _label_leaves(who: str, labels: LabelTree, reference: PyTree, kind: str) -> list[Any]:
-    """The label of each leaf of ``reference``, in leaf order, checked against its structure."""
-    if callable(labels):
-        labels = labels(reference)
-    # None leaves of the reference are leaves outside an enclosing group (see _group): whatever the
-    # labels hold there is skipped, so a full-size mask also works inside freeze/multi_transform.
-    ref_leaves, ref_spec = optree.tree_flatten(reference, none_is_leaf=True, namespace=tree.NAMESPACE)
-    try:
-        label_leaves = ref_spec.flatten_up_to(labels)
-    except (ValueError, TypeError) as err:
-        raise ValueError(
-            f"{who}: the {kind} tree does not match the params: "
-            f"{describe_mismatch(labels, reference, kind, 'params')}. "
-            f"Build it from the same params (e.g. with optim.labels_by_name / optim.mask_by_name)."
-        ) from err
-    return [label for label, leaf in zip(label_leaves, ref_leaves) if leaf is not None]
+class _Labels:
+    """Resolves a label tree (or a function ``params -> labels``) to one label per leaf, once per params layout.
+
+    Labels are configuration: they are computed on the host at ``init`` and remembered by the tuple of
+    leaf names, so ``update`` inside a compiled step looks them up instead of tracing the label function
+    (pattern matching does not trace).
+    """
+
+    def __init__(self, who: str, labels: LabelTree, kind: str, check: Callable[[list[str], list[Any]], None]):
+        self.who, self.labels, self.kind, self.check = who, labels, kind, check
+        self.resolved: dict[tuple[str, ...], list[Any]] = {}
+
+    def __call__(self, reference: PyTree) -> list[Any]:
+        key = tuple(param_names(reference))
+        found = self.resolved.get(key)
+        if found is None:
+            found = self._resolve(reference)
+            self.check(list(key), found)
+            self.resolved[key] = found
+        return found
+
+    def _resolve(self, reference: PyTree) -> list[Any]:
+        labels = self.labels(reference) if callable(self.labels) else self.labels
+        # None leaves of the reference are leaves outside an enclosing group (see _group): whatever the
+        # labels hold there is skipped, so a full-size mask also works inside freeze/multi_transform.
+        ref_leaves, ref_spec = optree.tree_flatten(reference, none_is_leaf=True, namespace=tree.NAMESPACE)
+        try:
+            label_leaves = ref_spec.flatten_up_to(labels)
+        except (ValueError, TypeError) as err:
+            raise ValueError(
+                f"{self.who}: the {self.kind} tree does not match the params: "
+                f"{describe_mismatch(labels, reference, self.kind, 'params')}. "
+                "Build it from the same params (e.g. with optim.labels_by_name / optim.mask_by_name)."
+            ) from err
+        return [label for label, leaf in zip(label_leaves, ref_leaves) if leaf is not None]
+
+
+def _bool_labels(who: str, mask: LabelTree, kind: str) -> _Labels:
+    def check(names: list[str], values: list[Any]) -> None:
+        for name, value in zip(names, values):
+            if not isinstance(value, bool):
+                raise TypeError(
+                    f"{who}: the {kind} must hold Python bools, but leaf {name!r} is {type(value).__name__} {value!r}"
+                )
+
+    return _Labels(who, mask, kind, check)
 
 
 def _group(spec: Any, leaves: list[Any], indices: list[int]) -> PyTree:
@@ -159,16 +190,15 @@ def multi_transform(
                 f"{who}: the transform for label {label!r} is a {type(tx).__name__}, not a GradientTransformation"
             )
 
-    def checked_labels(reference: PyTree) -> list[Any]:
-        label_leaves = _label_leaves(who, labels, reference, "labels")
-        paths = tree.paths(reference)
-        for path, label in zip(paths, label_leaves):
+    def check(names: list[str], label_leaves: list[Any]) -> None:
+        for name, label in zip(names, label_leaves):
             if label not in transforms:
                 raise ValueError(
-                    f"{who}: leaf {path} has label {label!r}, which has no transform; "
+                    f"{who}: leaf {name!r} has label {label!r}, which has no transform; "
                     f"transforms are given for {list(transforms)}"
                 )
-        return label_leaves
+
+    checked_labels = _Labels(who, labels, "labels", check)
 
     def init(params: PyTree) -> MultiTransformState:
         return MultiTransformState(inner_states=_init_groups(transforms, checked_labels(params), params))
@@ -185,16 +215,6 @@ def multi_transform(
     return GradientTransformation(init, update)
 
 
-def _bool_leaves(who: str, mask: LabelTree, reference: PyTree, kind: str) -> list[bool]:
-    leaves = _label_leaves(who, mask, reference, kind)
-    for path, value in zip(tree.paths(reference), leaves):
-        if not isinstance(value, bool):
-            raise TypeError(
-                f"{who}: the {kind} must hold Python bools, but leaf {path} is {type(value).__name__} {value!r}"
-            )
-    return leaves
-
-
 def masked(inner: GradientTransformation, mask: LabelTree) -> GradientTransformation:
     """Apply ``inner`` to the leaves where ``mask`` is True; **the other leaves pass through unchanged**.
 
@@ -209,15 +229,16 @@ def masked(inner: GradientTransformation, mask: LabelTree) -> GradientTransforma
         {'a': tensor([10.]), 'b': tensor([1.])}
     """
     who = "masked"
+    mask_leaves_of = _bool_labels(who, mask, "mask")
 
     def init(params: PyTree) -> MaskedState:
-        states = _init_groups({True: inner}, _bool_leaves(who, mask, params, "mask"), params)
+        states = _init_groups({True: inner}, mask_leaves_of(params), params)
         return MaskedState(inner_state=states[True])
 
     def update(
         updates: PyTree, state: MaskedState, params: PyTree | None = None
     ) -> tuple[PyTree, MaskedState]:
-        mask_leaves = _bool_leaves(who, mask, params if params is not None else updates, "mask")
+        mask_leaves = mask_leaves_of(params if params is not None else updates)
         out, new_states, spec, _ = _run_groups(
             who, {True: inner}, mask_leaves, updates, {True: state.inner_state}, params
         )
@@ -242,16 +263,17 @@ def freeze(inner: GradientTransformation, frozen: LabelTree) -> GradientTransfor
         {'a': None, 'b': tensor([0.])}
     """
     who = "freeze"
+    frozen_leaves_of = _bool_labels(who, frozen, "frozen mask")
 
     def init(params: PyTree) -> FreezeState:
-        frozen_leaves = _bool_leaves(who, frozen, params, "frozen mask")
+        frozen_leaves = frozen_leaves_of(params)
         states = _init_groups({False: inner}, frozen_leaves, params)
         return FreezeState(inner_state=states[False])
 
     def update(
         updates: PyTree, state: FreezeState, params: PyTree | None = None
     ) -> tuple[PyTree, FreezeState]:
-        frozen_leaves = _bool_leaves(who, frozen, params if params is not None else updates, "frozen mask")
+        frozen_leaves = frozen_leaves_of(params if params is not None else updates)
         out, new_states, spec, handled = _run_groups(
             who, {False: inner}, frozen_leaves, updates, {False: state.inner_state}, params
         )
