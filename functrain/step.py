@@ -205,6 +205,7 @@ def make_train_step(
     precision: str | None = None,
     metrics: Any = None,
     freeze_batchnorm: bool = False,
+    gradient_reducer: Callable[..., Any] | None = None,
 ) -> Callable[[Any, Batch], tuple[Any, dict[str, torch.Tensor]]]:
     """Build a pure ``train_step(state, batch) -> (new_state, metrics)``.
 
@@ -223,6 +224,9 @@ def make_train_step(
         metrics: a metric collection (``functrain.metrics``); its state lives in ``state.metrics`` and is
             updated inside the step from the loss function's ``preds``/``target``.
         freeze_batchnorm: keep BatchNorm layers in eval mode while training (statistics frozen).
+        gradient_reducer: data parallelism (``functrain.distributed.gradient_reducer()``): called as
+            ``reducer(grads, loss, metrics, buffers, old_buffers, num_examples)`` after the backward and
+            returns them combined over all ranks (example-weighted), inside the same compiled graph.
 
     Returns:
         ``train_step``; ``metrics`` holds ``loss`` (example-weighted over micro-batches),
@@ -279,6 +283,10 @@ def make_train_step(
             if "target" in aux:
                 targets.append(aux["target"])
 
+        if gradient_reducer is not None:
+            grads, loss, extra, buffers = gradient_reducer(
+                grads, loss, extra, buffers, state.buffers, num_examples(batch)
+            )
         loss_scale = state.loss_scale
         finite = None
         if scale is not None:
@@ -312,6 +320,7 @@ def make_train_step(
     train_step.kind = "train"  # type: ignore[attr-defined]
     train_step.metrics = metrics  # type: ignore[attr-defined]
     train_step.model = model  # type: ignore[attr-defined]
+    train_step.gradient_reducer = gradient_reducer  # type: ignore[attr-defined]
     return train_step
 
 
