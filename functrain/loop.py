@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from functrain import random, tree
+from functrain import distributed, random, tree
 from functrain.callbacks.base import Callback, Context
 from functrain.data import DataPosition, Loader
 from functrain.logging import History
@@ -80,7 +80,9 @@ class FitResult:
 # ------------------------------------------------------------------------------------------ helpers
 
 
-def _as_loader(data: Any, batch_size: int | None, key: torch.Tensor, what: str, *, shuffle: bool) -> Loader:
+def _as_loader(
+    data: Any, batch_size: int | None, key: torch.Tensor, what: str, *, shuffle: bool, shard: bool = False
+) -> Loader:
     if isinstance(data, Loader):
         return data
     if batch_size is None and not isinstance(data, torch.utils.data.DataLoader):
@@ -92,7 +94,9 @@ def _as_loader(data: Any, batch_size: int | None, key: torch.Tensor, what: str, 
         return Loader(data)
     if isinstance(data, torch.utils.data.IterableDataset):
         return Loader(data, batch_size)
-    return Loader(data, batch_size, key=key, shuffle=shuffle)
+    # Data parallelism: each rank reads its slice of the same per-epoch permutation; batch_size is per rank.
+    ranks = {"rank": distributed.rank(), "world_size": distributed.world_size()} if shard else {}
+    return Loader(data, batch_size, key=key, shuffle=shuffle, **ranks)
 
 
 def _scalar_dict(values: Mapping[str, Any]) -> dict[str, float]:
@@ -172,7 +176,7 @@ def evaluate(
         >>> sorted(metrics)
         ['eval/loss']
     """
-    loader = _as_loader(data, batch_size, random.key(0), "evaluate", shuffle=False)
+    loader = _as_loader(data, batch_size, random.key(0), "evaluate", shuffle=False, shard=True)
     events = _Events(callbacks)
     ctx = ctx or Context()
     ctx.phase = "eval"
@@ -199,6 +203,9 @@ def evaluate(
         state = events("eval_batch_end", state, ctx)
     ctx.batch = None
     ctx.phase = "train"
+    loss_sum, count, extra_sums, merged = distributed.merge_evaluation(
+        loss_sum, count, extra_sums, merged, metric_fns, state.device
+    )
     if count == 0:
         raise ValueError("evaluate: the evaluation data produced no examples")
     values: dict[str, Any] = {f"{prefix}/loss": loss_sum / count}
@@ -312,7 +319,18 @@ def fit(
     eval_steps_every, eval_at_epoch = _resolve_every(eval_every if eval_step is not None else None, "eval_every")
     save_steps_every, save_at_epoch = _resolve_every(save_every, "save_every")
 
-    loader = _as_loader(train_data, batch_size, random.fold_in(state.rng, _DATA_KEY), "fit", shuffle=True)
+    loader = _as_loader(
+        train_data, batch_size, random.fold_in(state.rng, _DATA_KEY), "fit", shuffle=True, shard=True
+    )
+    if distributed.is_distributed() and getattr(train_step, "kind", None) == "train":
+        reducer = getattr(train_step, "gradient_reducer", None)
+        if reducer is None or getattr(reducer, "world_size", 0) != distributed.world_size():
+            raise ValueError(
+                f"fit: {distributed.world_size()} processes train, but the train step does not all-reduce "
+                "its gradients over them, so the ranks would drift apart; build it with make_train_step(..., "
+                "gradient_reducer=functrain.distributed.gradient_reducer(model=model)), created after "
+                "functrain.distributed.initialize()"
+            )
     bpe = loader.batches_per_epoch
     if epochs is not None and bpe is None:
         raise ValueError("fit: the training data has no length, so epochs=... cannot be counted; use max_steps")
@@ -324,11 +342,12 @@ def fit(
         from functrain.callbacks.checkpointing import ModelCheckpoint
 
         manager = next((cb.manager for cb in callbacks if isinstance(cb, ModelCheckpoint)), None)
-    if progress and not any(isinstance(cb, ProgressBar) for cb in callbacks):
+    main = distributed.is_main_process()  # only rank 0 shows progress and writes logs
+    if progress and main and not any(isinstance(cb, ProgressBar) for cb in callbacks):
         callbacks.append(ProgressBar())
     names = _callback_names(callbacks)
     events = _Events(callbacks)
-    loggers = list(loggers)
+    loggers = list(loggers) if main else []
     history = history if history is not None else History()
     window = _Window()
     position = DataPosition()
@@ -363,6 +382,10 @@ def fit(
 
     host_step = int(state.step)
     ctx.step = host_step
+    if restored_path is not None:
+        from functrain.checkpoint.file import read_header
+
+        distributed.check_resume(read_header(restored_path).metadata, distributed.loader_layout(loader))
     for lg in loggers:
         if hasattr(lg, "resume_from"):
             lg.resume_from(host_step if restored_path is not None else None)
@@ -371,7 +394,8 @@ def fit(
         scalars = window.flush()
         train_metrics = getattr(train_step, "metrics", None)
         if train_metrics is not None and state.metrics is not None:
-            scalars.update(_flatten_metric_values("train", train_metrics.compute(state.metrics)))
+            merged = distributed.all_reduce_metric_state(train_metrics, state.metrics)
+            scalars.update(_flatten_metric_values("train", train_metrics.compute(merged)))
         history.put_scalars(scalars, host_step)
         floats = history.at(host_step)  # ours and what callbacks put, with one sync for all
         ctx.logs.update(floats)
@@ -399,7 +423,12 @@ def fit(
         if manager is None:
             return s
         metrics = dict(ctx.eval_metrics or {})
-        manager.save(host_step, {"state": s, "loop": loop_state()}, metrics=metrics, metadata=_metadata(s))
+        manager.save(
+            host_step,
+            {"state": s, "loop": loop_state()},
+            metrics=metrics,
+            metadata={**_metadata(s), **distributed.loader_layout(loader)},
+        )
         ctx.checkpoint_path = manager.path(host_step)
         return events("checkpoint_saved", s, ctx)
 
