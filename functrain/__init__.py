@@ -13,6 +13,7 @@ Example:
 """
 
 from functrain import callbacks, checkpoint, data, logging, metrics, optim, precision, random, tree
+from functrain.config import ConfigError, TrainerConfig
 from functrain.jit import CompiledStep, DonatedStateError, GraphBreakError, RecompileError, jit
 from functrain.loop import FitResult, evaluate, fit, predict
 from functrain.state import TrainState
@@ -22,31 +23,35 @@ from functrain.step import (
     make_train_step,
     supervised_loss,
 )
+from functrain.trainer import Trainer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CompiledStep",
-    "FitResult",
+    "ConfigError",
     "DonatedStateError",
+    "FitResult",
     "GraphBreakError",
     "RecompileError",
     "TrainState",
+    "Trainer",
+    "TrainerConfig",
     "__version__",
     "callbacks",
     "checkpoint",
     "data",
     "evaluate",
     "fit",
-    "logging",
-    "metrics",
-    "predict",
     "jit",
+    "logging",
     "make_eval_step",
     "make_predict_step",
     "make_train_step",
+    "metrics",
     "optim",
     "precision",
+    "predict",
     "random",
     "supervised_loss",
     "tree",

@@ -296,8 +296,9 @@ def fit(
             TensorBoard).
         checkpoints: a :class:`functrain.checkpoint.CheckpointManager` (or a directory for one).
         save_every: a number of steps, ``"epoch"`` or ``None``; the final state is saved too.
-        resume: ``True`` resumes from the latest checkpoint if there is one, a step number or ``"best"``
-            from that checkpoint; ``False`` starts fresh.
+        resume: ``True`` resumes from the latest checkpoint if there is one (else starts fresh), a step
+            number or ``"best"`` from that checkpoint, a path from that checkpoint file; ``False`` starts
+            fresh.
         progress: show a progress bar (``tqdm.auto``: terminal and notebook).
 
     Returns:
@@ -363,10 +364,13 @@ def fit(
 
     # ---- resume
     restored_path = None
-    if resume is not False and manager is not None:
+    resume_file = isinstance(resume, str | os.PathLike) and os.path.isfile(resume)
+    if resume is not False and (manager is not None or resume_file):
         which = "latest" if resume is True else resume
-        if manager.latest() is not None:
-            raw = manager.restore(which)
+        if resume_file or manager.latest() is not None:
+            from functrain.checkpoint import restore
+
+            raw = restore(resume) if resume_file else manager.restore(which)
             state = _onto(state, raw["state"])
             saved = raw["loop"]
             position = DataPosition(saved["position"]["epoch"], saved["position"]["index"])
@@ -376,7 +380,12 @@ def fit(
             history = History.from_dict(json.loads(saved["history"]))
             ctx.history = history
             window = _Window.from_json(saved["window"], state.params)
-            restored_path = manager.path(manager.latest() if which == "latest" else manager.best() if which == "best" else which)
+            if resume_file:
+                restored_path = os.fspath(resume)
+            else:
+                restored_path = manager.path(
+                    manager.latest() if which == "latest" else manager.best() if which == "best" else which
+                )
     elif resume is not False and manager is None:
         raise ValueError("fit: resume needs checkpoints=CheckpointManager(...) (or a directory)")
 

@@ -29,8 +29,8 @@ class LearningRateMonitor(Callback):
         >>> ft.fit(state, step, data, batch_size=32, epochs=1, callbacks=[LearningRateMonitor()])
     """
 
-    def __init__(self, names: tuple[str, ...] | None = None) -> None:
-        self.names = names
+    def __init__(self, names: tuple[str, ...] | None = ("learning_rate",)) -> None:
+        self.names = names  # None: every hyperparameter
 
     def on_step_end(self, state: Any, ctx: Context) -> Any:
         if _is_log_step(ctx):

@@ -1,0 +1,185 @@
+"""The ``functrain`` command: train, eval, predict, demo, inspect, export, plot.
+
+    functrain demo                                  # a CNN on scikit-learn's digits, on the CPU
+    functrain train run.yaml optimizer.lr=3e-4      # a run from a config file, with overrides
+    functrain eval run.yaml [--checkpoint CKPT]     # evaluate a trained run
+    functrain predict run.yaml --output preds.ckpt  # predictions, saved as a msgpack checkpoint
+    functrain inspect CKPT / export CKPT --format safetensors --output model.safetensors
+    functrain plot RUN_DIR                          # loss and metric curves to a PNG
+    functrain train --help-config                   # every config field with its default and meaning
+
+In a config file the model and the datasets are import specs: ``model: mypkg.models:Net`` (an object
+or a factory, called when it is a class), or ``{target: mypkg.data:load, args: [...], kwargs: {...}}``.
+
+Example:
+    >>> main(["train", "--help-config"])  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["main"]
+
+
+def _build_trainer(config_path: str, overrides: Sequence[str]) -> Any:
+    from functrain.config import ConfigError, TrainerConfig, resolve_object
+    from functrain.trainer import Trainer
+
+    cfg = TrainerConfig.from_yaml(config_path)
+    if overrides:
+        cfg = cfg.with_overrides(list(overrides))
+    if cfg.model is None:
+        raise ConfigError.single("model", "the config names no model", "set model: package.module:ModelClass")
+    if cfg.train_dataset is None and cfg.eval_dataset is None:
+        raise ConfigError.single("train_dataset", "the config names no dataset", "set train_dataset: package.module:load_train")
+
+    def build(spec: Any, path: str) -> Any:
+        if spec is None:
+            return None
+        obj = resolve_object(spec, path=path)
+        return obj() if isinstance(obj, type) else obj
+
+    import torch
+
+    torch.manual_seed(cfg.seed)
+    model = build(cfg.model, "model")
+    trainer = Trainer(model, cfg, train_dataset=build(cfg.train_dataset, "train_dataset"), eval_dataset=build(cfg.eval_dataset, "eval_dataset"))
+    trainer.test_dataset = build(cfg.test_dataset, "test_dataset")
+    return trainer
+
+
+def _latest_checkpoint(trainer: Any) -> str:
+    from functrain.checkpoint import CheckpointManager
+
+    cfg = trainer.config
+    manager = CheckpointManager(os.path.join(cfg.output_dir, cfg.checkpoints_dir))
+    step = manager.best() if cfg.load_best_model_at_end and manager.best() is not None else manager.latest()
+    if step is None:
+        raise FileNotFoundError(f"no checkpoint in {manager.directory}; train first or pass --checkpoint")
+    return manager.path(step)
+
+
+def _train(args: argparse.Namespace) -> int:
+    if args.help_config:
+        from functrain.config import config_help
+
+        print(config_help())
+        return 0
+    if args.config is None:
+        print("functrain train: give a CONFIG.yaml (or --help-config)", file=sys.stderr)
+        return 2
+    import contextlib
+
+    try:
+        from functrain import distributed
+
+        launch = distributed.initialize_from_env()
+        is_main = distributed.is_main_process
+    except (ImportError, AttributeError):  # TODO(distributed): remove once the package lands
+        launch, is_main = contextlib.nullcontext(), lambda: True
+    with launch:
+        trainer = _build_trainer(args.config, args.overrides)
+        result = trainer.train()
+        summary = dict(result.eval_metrics or {})
+        if getattr(trainer, "test_dataset", None) is not None:
+            summary.update({k.replace("eval/", "test/"): v for k, v in trainer.evaluate(trainer.test_dataset).items()})
+        if is_main():
+            print(json.dumps({"step": int(result.state.step), **summary, "stop_reason": result.stop_reason}))
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    trainer = _build_trainer(args.config, args.overrides)
+    trainer.load(args.checkpoint or _latest_checkpoint(trainer))
+    dataset = trainer.test_dataset if args.split == "test" else trainer.eval_dataset
+    if dataset is None:
+        print(f"functrain eval: the config has no {args.split}_dataset", file=sys.stderr)
+        return 2
+    print(json.dumps(trainer.evaluate(dataset)))
+    return 0
+
+
+def _predict(args: argparse.Namespace) -> int:
+    from functrain import checkpoint
+
+    trainer = _build_trainer(args.config, args.overrides)
+    trainer.load(args.checkpoint or _latest_checkpoint(trainer))
+    dataset = {"test": trainer.test_dataset, "eval": trainer.eval_dataset, "train": trainer.train_dataset}[args.split]
+    if dataset is None:
+        print(f"functrain predict: the config has no {args.split}_dataset", file=sys.stderr)
+        return 2
+    preds = trainer.predict(dataset)
+    checkpoint.save(args.output, {"preds": preds}, step=int(trainer.state.step))
+    print(f"wrote {tuple(preds.shape)} predictions to {args.output}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from functrain import demo
+
+    fields: dict[str, Any] = {"compile": not args.no_compile, "overwrite_output_dir": True}
+    if args.epochs is not None:
+        fields["epochs"] = args.epochs
+    results = demo.run(args.output_dir, overrides=args.overrides, **fields)
+    return 0 if results["eval/accuracy"] > 0 else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``functrain`` command."""
+    from functrain.checkpoint import cli as checkpoint_cli
+    from functrain.logging import cli as logging_cli
+
+    parser = argparse.ArgumentParser(prog="functrain", description="functional, JAX-style training for PyTorch")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train from a YAML config (key=value overrides allowed)")
+    train.add_argument("config", nargs="?", metavar="CONFIG.yaml")
+    train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. optimizer.lr=3e-4")
+    train.add_argument("--help-config", action="store_true", help="list every config field with its default")
+    train.set_defaults(func=_train)
+
+    for name, fn, helptext in (("eval", _eval, "evaluate a trained run"), ("predict", _predict, "write predictions")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("config", metavar="CONFIG.yaml")
+        p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+        p.add_argument("--checkpoint", help="checkpoint file (default: the run's latest, or best)")
+        p.add_argument("--split", choices=("eval", "test", "train"), default="test" if name == "predict" else "eval")
+        if name == "predict":
+            p.add_argument("--output", required=True, help="msgpack file for the predictions")
+        p.set_defaults(func=fn)
+
+    demo = sub.add_parser("demo", help="train a small CNN on scikit-learn's digits (CPU, ~1 minute)")
+    demo.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    demo.add_argument("--output-dir", default="runs/demo")
+    demo.add_argument("--epochs", type=int, default=None)
+    demo.add_argument("--no-compile", action="store_true", help="run the steps eagerly")
+    demo.set_defaults(func=_demo)
+
+    checkpoint_cli.register(sub)
+    logging_cli.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``functrain`` command with ``argv`` (default: ``sys.argv[1:]``); returns the exit status.
+
+    Configuration mistakes print the error (every problem, with its field and fix) and return 2.
+    """
+    from functrain.config import ConfigError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, FileExistsError, FileNotFoundError) as err:
+        print(f"functrain {args.command}: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

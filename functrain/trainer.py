@@ -1,0 +1,518 @@
+"""`Trainer`: the facade over state, steps and loop, configured by a `TrainerConfig`.
+
+What users of Towhee's, LiBai's, Hezar's and Kornia's trainers expect — configs by name and YAML,
+callbacks, metrics, TensorBoard, early stopping, checkpoints, mixed precision, accumulation — built from
+functrain's pure pieces: every config field is consumed here (none is accepted and ignored).
+
+Extension points, as in the seed trainers, by subclassing: ``compute_loss(model, batch)``,
+``preprocess(batch)`` and ``augment(batch)`` (run *inside* the compiled step), ``build_optimizer()``,
+``build_schedule(total_steps)``, and ``train_step``/``eval_step`` themselves (pure functions of
+``(state, batch)``; the default ones are built by :func:`functrain.make_train_step`).
+
+Example:
+    >>> import torch, functrain as ft
+    >>> model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
+    >>> config = ft.TrainerConfig(output_dir="runs/digits", epochs=3, metrics=["accuracy"], compile=False)
+    >>> trainer = ft.Trainer(model, config, train_dataset=train_set, eval_dataset=val_set)
+    >>> result = trainer.train()
+    >>> trainer.evaluate(test_set)["eval/accuracy"]
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from functrain import callbacks as cbs
+from functrain import checkpoint, data, metrics, optim
+from functrain import logging as ftlog
+from functrain.config import ConfigError, TrainerConfig
+from functrain.jit import jit
+from functrain.loop import FitResult, evaluate, fit
+from functrain.precision import LossScale
+from functrain.state import TrainState
+from functrain.step import _inputs_and_target, make_eval_step, make_predict_step, make_train_step
+
+__all__ = ["Trainer", "build_optimizer", "build_schedule", "resolve_device"]
+
+_TORCH_ARG_NAMES = {"betas": ("b1", "b2")}
+
+
+def resolve_device(name: str) -> torch.device:
+    """``"auto"`` -> CUDA when available, else CPU; other names are checked against this machine.
+
+    Example:
+        >>> resolve_device("cpu")
+        device(type='cpu')
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError.single("device", f"device={name!r} but CUDA is not available here", "use device=cpu or auto")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError.single("device", f"device={name!r} but MPS is not available here", "use device=cpu or auto")
+    return device
+
+
+def build_schedule(config: TrainerConfig, total_steps: int) -> optim.Schedule | float:
+    """The learning-rate schedule of ``config.scheduler`` over ``total_steps`` optimizer steps.
+
+    Warm-up (``warmup_steps`` or ``warmup_ratio`` of the total) rises linearly from 0 to
+    ``optimizer.lr`` and the named schedule takes over after it. Every count is in optimizer steps.
+
+    Example:
+        >>> cfg = TrainerConfig(max_steps=100, scheduler={"name": "cosine", "warmup_steps": 10})
+        >>> float(build_schedule(cfg, 100)(10))
+        0.001
+    """
+    sc, lr = config.scheduler, config.optimizer.lr
+    warmup = sc.warmup_steps if sc.warmup_steps is not None else math.floor((sc.warmup_ratio or 0.0) * total_steps)
+    if warmup >= total_steps and total_steps > 0 and warmup > 0:
+        raise ConfigError.single(
+            "scheduler.warmup_steps", f"warm-up of {warmup} steps is not shorter than the run ({total_steps} steps)",
+            "lower warmup_steps/warmup_ratio or train longer",
+        )
+    rest = max(total_steps - warmup, 1)
+    args = dict(sc.args)
+    name = sc.name
+    try:
+        if name == "constant":
+            main: Any = optim.constant_schedule(lr)
+        elif name == "linear":
+            main = optim.linear_schedule(lr, args.pop("end_value", 0.0), rest)
+        elif name in ("cosine", "warmup_cosine"):
+            main = optim.cosine_decay_schedule(lr, rest, **args)
+        elif name == "exponential":
+            main = optim.exponential_decay(lr, args.pop("transition_steps", 1), args.pop("decay_rate", 0.96), **args)
+        elif name == "step":
+            step_size, gamma = args.pop("step_size"), args.pop("gamma", 0.1)
+            boundaries = {k * step_size: gamma for k in range(1, max(rest // step_size, 0) + 1)}
+            main = optim.piecewise_constant_schedule(lr, boundaries)
+        elif name == "piecewise":
+            main = optim.piecewise_constant_schedule(lr, {int(k): float(v) for k, v in args.pop("boundaries_and_scales").items()})
+        elif name == "polynomial":
+            main = optim.polynomial_schedule(lr, args.pop("end_value", 0.0), args.pop("power", 1.0), rest)
+        elif name == "one_cycle":
+            if warmup:
+                raise ConfigError.single("scheduler.warmup_steps", "one_cycle has its own warm-up phase", "set pct_start in scheduler.args instead")
+            return optim.one_cycle_schedule(total_steps, lr, **args)
+        else:  # the config validates names; this guards the two lists drifting apart
+            raise ConfigError.single("scheduler.name", f"unknown schedule {name!r}", "see functrain train --help-config")
+    except (TypeError, KeyError) as err:
+        raise ConfigError.single("scheduler.args", f"bad arguments for schedule {name!r}: {err}", "check the schedule's arguments") from err
+    if args and name not in ("cosine", "warmup_cosine", "exponential", "one_cycle"):
+        raise ConfigError.single("scheduler.args", f"unused arguments {sorted(args)} for schedule {name!r}", "remove them")
+    if not warmup:
+        return main
+    return optim.join_schedules([optim.linear_schedule(0.0, lr, warmup), lambda count: main(count - warmup)], [warmup])
+
+
+def build_optimizer(config: TrainerConfig, learning_rate: Any, params: Mapping[str, torch.Tensor], frozen: set[str]) -> optim.GradientTransformation:
+    """The optimizer of ``config.optimizer``, with gradient clipping and frozen parameters.
+
+    ``optimizer.args`` take functrain's names or torch's (``betas: [0.9, 0.999]``).
+
+    Example:
+        >>> tx = build_optimizer(TrainerConfig(max_steps=10), 1e-3, {"w": torch.zeros(2)}, set())
+    """
+    oc = config.optimizer
+    factory = getattr(optim, oc.name)
+    kwargs: dict[str, Any] = {}
+    for key, value in oc.args.items():
+        if key in _TORCH_ARG_NAMES:
+            kwargs.update(zip(_TORCH_ARG_NAMES[key], value))
+        else:
+            kwargs[key] = value
+    kwargs["weight_decay"] = oc.weight_decay
+    try:
+        tx = factory(learning_rate, **kwargs)
+    except TypeError as err:
+        import inspect
+
+        known = [p for p in inspect.signature(factory).parameters if p != "learning_rate"]
+        raise ConfigError.single("optimizer.args", f"{err}", f"{oc.name} takes {known}") from err
+    if frozen:
+        tx = optim.freeze(tx, {name: name in frozen for name in params})
+    if config.max_grad_norm is not None:
+        tx = optim.chain(optim.clip_by_global_norm(config.max_grad_norm), tx)
+    return tx
+
+
+class Trainer:
+    """Train a model as configured: ``Trainer(model, config, train_dataset, eval_dataset).train()``.
+
+    Args:
+        model: the ``nn.Module`` (its weights start the run; it is not modified).
+        config: a :class:`TrainerConfig`, a dict, or a YAML path.
+        train_dataset, eval_dataset: map-style datasets (``(inputs, target)`` samples or dicts with
+            input/target keys), iterable datasets or ``DataLoader``s.
+        data_collator: builds a batch from a list of samples.
+        loss: a criterion ``loss(preds, target)``; default: ``config.loss``.
+        optimizer: a :class:`functrain.optim.GradientTransformation`; default: ``config.optimizer`` and
+            ``config.scheduler``.
+        callbacks: extra :class:`functrain.callbacks.Callback` objects for this trainer's runs.
+
+    Example:
+        >>> trainer = Trainer(model, {"output_dir": "runs/a", "epochs": 2, "compile": False}, train_set)
+        >>> trainer.train().state.step
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: TrainerConfig | Mapping[str, Any] | str | os.PathLike[str],
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        *,
+        data_collator: Callable[[list[Any]], Any] | None = None,
+        loss: Callable[[Any, Any], torch.Tensor] | None = None,
+        optimizer: optim.GradientTransformation | None = None,
+        callbacks: Iterable[cbs.Callback] = (),
+    ) -> None:
+        if isinstance(config, TrainerConfig):
+            self.config = config
+        elif isinstance(config, Mapping):
+            self.config = TrainerConfig.from_dict(dict(config))
+        else:
+            self.config = TrainerConfig.from_yaml(config)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"Trainer: model must be an nn.Module, got {type(model).__name__}")
+        cfg = self.config
+        if cfg.eval_strategy != "no" and eval_dataset is None:
+            raise ConfigError.single(
+                "eval_strategy", f"eval_strategy={cfg.eval_strategy!r} but no eval_dataset was given",
+                "pass eval_dataset=... or set eval_strategy: 'no'",
+            )
+        self.model = model
+        self.train_dataset = train_dataset
+        self.eval_dataset = eval_dataset
+        self.data_collator = data_collator
+        self.criterion = loss if loss is not None else self._build_criterion()
+        self.device = resolve_device(cfg.device)
+        if cfg.mixed_precision == "fp16" and self.device.type != "cuda":
+            raise ConfigError.single("mixed_precision", f"fp16 needs a CUDA device, the run uses {self.device}", "use bf16 on the CPU")
+        self.extra_callbacks = list(callbacks)
+        self.metrics = self._build_metrics()
+        self._optimizer_override = optimizer
+        self.frozen = self._frozen_names()
+        self.total_steps = self._total_steps()
+        self.schedule = build_schedule(cfg, self.total_steps)
+        self.tx = optimizer if optimizer is not None else self.build_optimizer()
+        self.state = self._initial_state()
+        self._train_step = make_train_step(
+            model, self._loss_for_training, accumulate=cfg.gradient_accumulation_steps,
+            precision=self._precision, metrics=None, freeze_batchnorm=cfg.freeze.batchnorm,
+        )
+        self._eval_step = make_eval_step(model, self._loss_for_eval, metrics=self.metrics, precision=self._precision)
+        self._predict_step = make_predict_step(model, self._forward_for_predict, precision=self._precision)
+        self._jitted: dict[str, Any] = {}
+        self.result: FitResult | None = None
+
+    # ------------------------------------------------------------------------------ extension points
+
+    def compute_loss(self, model: Callable[..., Any], batch: Any) -> Any:
+        """The loss of one batch: ``(loss, {"preds": ..., "target": ...})``. Override for custom models.
+
+        ``model`` runs the network with the state's weights; the batch has been through
+        :meth:`preprocess` (and :meth:`augment` when training).
+        """
+        x, y = _inputs_and_target(batch)
+        preds = model(x)
+        return self.criterion(preds, y), {"preds": preds, "target": y}
+
+    def preprocess(self, batch: Any) -> Any:
+        """Batch -> batch, inside the compiled train and eval steps (normalisation, dtype casts)."""
+        return batch
+
+    def augment(self, batch: Any) -> Any:
+        """Batch -> batch, inside the compiled train step only (random augmentation: draw from torch's
+        global generator, which :func:`functrain.jit` seeds from the state before every step)."""
+        return batch
+
+    def build_optimizer(self) -> optim.GradientTransformation:
+        """The optimizer from the config (override to build your own)."""
+        return build_optimizer(self.config, self.schedule, self._param_names_dict(), self.frozen)
+
+    def train_step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
+        """One pure training step (override to change it; it is still compiled as one graph)."""
+        return self._train_step(state, batch)
+
+    def eval_step(self, state: TrainState, batch: Any) -> dict[str, Any]:
+        """One pure evaluation step."""
+        return self._eval_step(state, batch)
+
+    # ------------------------------------------------------------------------------ public API
+
+    def train(self) -> FitResult:
+        """Run training as configured; returns the :class:`functrain.FitResult` (``self.state`` is updated).
+
+        Refuses to start in an ``output_dir`` holding an earlier run unless ``overwrite_output_dir`` or
+        ``resume_from_checkpoint`` says what to do with it. Saves the resolved config there.
+        """
+        cfg = self.config
+        if self.train_dataset is None:
+            raise ValueError("Trainer.train: no train_dataset was given")
+        out = Path(cfg.output_dir)
+        self._check_output_dir(out)
+        out.mkdir(parents=True, exist_ok=True)
+        cfg.save(out / "config.yaml")
+        manager = checkpoint.CheckpointManager(
+            out / cfg.checkpoints_dir,
+            max_to_keep=cfg.save_total_limit,
+            best_metric=self._best_metric if cfg.eval_strategy != "no" else None,
+            best_mode=cfg.resolved_best_model_mode or "min",
+            keep_best=1 if cfg.eval_strategy != "no" else 0,
+        )
+        resume = self._resume_argument(manager)
+        result = fit(
+            self.state,
+            self._jit("train", self.train_step),
+            self._loader(self.train_dataset, cfg.batch_size * cfg.gradient_accumulation_steps, train=True),
+            eval_step=self._jit("eval", self.eval_step) if cfg.eval_strategy != "no" else None,
+            eval_data=self._loader(self.eval_dataset, cfg.resolved_eval_batch_size, train=False) if cfg.eval_strategy != "no" else None,
+            epochs=cfg.epochs,
+            max_steps=cfg.max_steps,
+            eval_every=self._every(cfg.eval_strategy, cfg.eval_steps),
+            save_every=self._every(cfg.save_strategy, cfg.save_steps),
+            log_every=cfg.log_steps,
+            callbacks=self._callbacks(),
+            loggers=self._loggers(out / cfg.logs_dir),
+            checkpoints=manager,
+            resume=resume,
+            progress=cfg.progress_bar,
+        )
+        state = result.state
+        if cfg.load_best_model_at_end and manager.best() is not None:
+            best = manager.restore("best")["state"]
+            state = state.replace(params=self._onto(state.params, best["params"]), buffers=self._onto(state.buffers, best["buffers"]))
+            result.state = state
+        self.state = state
+        self.result = result
+        return result
+
+    def evaluate(self, dataset: Any = None) -> dict[str, float]:
+        """Evaluate the current state on ``dataset`` (default: the eval dataset); example-weighted metrics.
+
+        Example:
+            >>> trainer.evaluate(test_set)
+            {'eval/loss': 0.08, 'eval/accuracy': 0.977}
+        """
+        dataset = dataset if dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("Trainer.evaluate: give a dataset (no eval_dataset was configured)")
+        loader = self._loader(dataset, self.config.resolved_eval_batch_size, train=False)
+        return evaluate(self.state, self._jit("eval", self.eval_step), loader)
+
+    def predict(self, dataset: Any) -> torch.Tensor:
+        """The model's outputs on every example of ``dataset``, concatenated (inputs taken as in training)."""
+        from functrain.loop import predict
+
+        loader = self._loader(dataset, self.config.resolved_eval_batch_size, train=False)
+        return predict(self.state, self._jit("predict", self._predict_step), loader, collect=True)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Save the train state (params, buffers, optimizer state, step, key) as a msgpack checkpoint."""
+        checkpoint.save(path, self.state, step=int(self.state.step), metadata={"tied_parameters": dict(self.state.tied)})
+
+    def load(self, path: str | os.PathLike[str]) -> TrainState:
+        """Load a state saved by :meth:`save` (or a checkpoint of ``fit``) onto this trainer's state."""
+        raw = checkpoint.restore(path)
+        raw = raw.get("state", raw) if isinstance(raw, dict) else raw
+        from functrain.loop import _onto
+
+        self.state = _onto(self.state, raw)
+        return self.state
+
+    # ------------------------------------------------------------------------------ building
+
+    @property
+    def _precision(self) -> str | None:
+        return None if self.config.mixed_precision == "no" else self.config.mixed_precision
+
+    @property
+    def _best_metric(self) -> str:
+        return f"eval/{self.config.metric_for_best_model}"
+
+    def _build_criterion(self) -> Callable[[Any, Any], torch.Tensor]:
+        name, args = self.config.loss.name, dict(self.config.loss.args)
+        if ":" in name:
+            from functrain.config import resolve_object
+
+            cls = resolve_object(name, path="loss.name")
+        else:
+            cls = getattr(nn, name)
+        return cls(**args) if isinstance(cls, type) else cls
+
+    def _build_metrics(self) -> metrics.Collection | None:
+        if not self.config.metrics:
+            return None
+        built = {}
+        for name, args in self.config.metrics.items():
+            try:
+                built[name] = metrics.metric_from_spec({"name": name, **args})
+            except (KeyError, ValueError, TypeError) as err:
+                raise ConfigError.single(f"metrics.{name}", str(err), "see functrain.metrics.available_metrics()") from err
+        return metrics.Collection(built)
+
+    def _frozen_names(self) -> set[str]:
+        fc = self.config.freeze
+        params = self._param_names_dict()
+        names: set[str] = set()
+        if fc.patterns:
+            mask = optim.mask_by_name(params, fc.patterns)
+            names |= {k for k, v in mask.items() if v}
+        if fc.module_indices:
+            names |= set(optim.names_by_module_index(self.model, fc.module_indices))
+        if fc.batchnorm:
+            names |= set(optim.batchnorm_param_names(self.model))
+        return names & set(params)
+
+    def _param_names_dict(self) -> dict[str, torch.Tensor]:
+        return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def _total_steps(self) -> int:
+        cfg = self.config
+        if cfg.max_steps is not None:
+            return cfg.max_steps
+        try:
+            n = len(self.train_dataset)
+        except TypeError:
+            raise ConfigError.single("epochs", "the train dataset has no length, so epochs cannot be counted", "set max_steps instead") from None
+        per_epoch = data.num_batches(n, cfg.batch_size * cfg.gradient_accumulation_steps, cfg.drop_last, _world_size())
+        return per_epoch * cfg.epochs
+
+    def _initial_state(self) -> TrainState:
+        cfg = self.config
+        state = TrainState.create(
+            self.model, self.tx, seed=cfg.seed, device=self.device,
+            loss_scale=LossScale.create() if cfg.mixed_precision == "fp16" else None,
+        )
+        if cfg.init_weights_from:
+            state, report = checkpoint.init_weights_from(cfg.init_weights_from, state, tied_parameters=dict(state.tied))
+            self.init_report = report
+            if not report.loaded:
+                raise ConfigError.single("init_weights_from", f"no weight of {cfg.init_weights_from} matches the model by name and shape", "check the file and the model")
+        return state
+
+    def _loss_for_training(self, model: Callable[..., Any], batch: Any) -> Any:
+        return self.compute_loss(model, self.augment(self.preprocess(batch)))
+
+    def _loss_for_eval(self, model: Callable[..., Any], batch: Any) -> Any:
+        return self.compute_loss(model, self.preprocess(batch))
+
+    def _forward_for_predict(self, model: Callable[..., Any], batch: Any) -> Any:
+        batch = self.preprocess(batch)
+        if isinstance(batch, torch.Tensor):
+            return model(batch)
+        try:
+            x, _ = _inputs_and_target(batch)
+        except (KeyError, TypeError):
+            x = batch[0] if isinstance(batch, (tuple, list)) else batch
+        return model(x)
+
+    def _jit(self, kind: str, fn: Callable[..., Any]) -> Any:
+        if kind not in self._jitted:
+            cfg = self.config
+            self._jitted[kind] = jit(
+                fn, compile=cfg.compile, mode=cfg.compile_mode, donate=cfg.donate and kind == "train",
+                dynamic=None if kind != "train" else False,
+            )
+            # the loop finds the metric collection on the step (a bound method carries no attributes)
+            self._jitted[kind].metrics = self.metrics if kind == "eval" else None
+        return self._jitted[kind]
+
+    def _loader(self, dataset: Any, batch_size: int, *, train: bool) -> data.Loader:
+        cfg = self.config
+        if isinstance(dataset, data.Loader):
+            return dataset
+        if isinstance(dataset, torch.utils.data.DataLoader):
+            return data.Loader(dataset)
+        from functrain import random
+
+        rank, world = _rank(), _world_size()
+        return data.Loader(
+            dataset, batch_size,
+            shuffle=cfg.shuffle if train else False,
+            key=random.fold_in(self.state.rng, 0xDA7A) if train else None,
+            drop_last=cfg.drop_last if train else False,
+            collate_fn=self.data_collator,
+            num_workers=cfg.num_workers,
+            pin_memory=cfg.pin_memory,
+            device=self.device,
+            rank=rank,
+            world_size=world,
+        )
+
+    @staticmethod
+    def _every(strategy: str, steps: int | None) -> int | str | None:
+        return {"no": None, "epoch": "epoch", "steps": steps}[strategy]
+
+    def _callbacks(self) -> list[cbs.Callback]:
+        cfg = self.config
+        out: list[cbs.Callback] = [cbs.LearningRateMonitor(), cbs.Timer(), cbs.Preemption()]
+        if cfg.early_stopping is not None:
+            es = cfg.early_stopping
+            out.append(cbs.EarlyStopping(f"eval/{es.monitor}", mode=es.resolved_mode or "min", patience=es.patience, min_delta=es.min_delta))
+        if cfg.print_steps:
+            out.append(cbs.PrintMetrics(every=cfg.print_steps))
+        return out + self.extra_callbacks
+
+    def _loggers(self, log_dir: Path) -> list[Any]:
+        if _rank() != 0:
+            return []
+        cfg = self.config
+        loggers: list[Any] = []
+        if cfg.jsonl:
+            loggers.append(ftlog.JSONLWriter(log_dir))
+        if cfg.csv:
+            loggers.append(ftlog.CSVWriter(log_dir))
+        if cfg.tensorboard:
+            loggers.append(ftlog.TensorBoardWriter(log_dir / "tensorboard"))
+        return loggers
+
+    def _check_output_dir(self, out: Path) -> None:
+        cfg = self.config
+        if not out.exists() or not any(out.iterdir()) or cfg.overwrite_output_dir or cfg.resume_from_checkpoint:
+            if cfg.overwrite_output_dir and out.exists() and not cfg.resume_from_checkpoint:
+                import shutil
+
+                for sub in (cfg.checkpoints_dir, cfg.logs_dir):
+                    shutil.rmtree(out / sub, ignore_errors=True)
+            return
+        raise FileExistsError(
+            f"output_dir {str(out)!r} already holds a run; set overwrite_output_dir: true to replace it, "
+            "resume_from_checkpoint: true to continue it, or choose another output_dir"
+        )
+
+    def _resume_argument(self, manager: checkpoint.CheckpointManager) -> Any:
+        r = self.config.resume_from_checkpoint
+        if r is False:
+            return False
+        if r is True:
+            return True
+        path = Path(r)
+        if not path.exists():
+            raise ConfigError.single("resume_from_checkpoint", f"no checkpoint at {r}", "give an existing checkpoint file or true")
+        return os.fspath(path)
+
+    @staticmethod
+    def _onto(target: Mapping[str, torch.Tensor], saved: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: saved[k].to(v.device) for k, v in target.items()}
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
+
+
+def _world_size() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return 1
+
