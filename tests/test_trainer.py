@@ -1,0 +1,230 @@
+"""The Trainer facade and the functrain command: config to run, outputs, resume, CLI, demo."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from trainer_fixtures import SmallNet, make_dataset
+
+import functrain as ft
+from functrain import checkpoint, tree
+from functrain.cli import main as cli
+
+HERE = Path(__file__).parent
+
+
+def small_config(tmp_path: Path, **overrides) -> ft.TrainerConfig:
+    fields = dict(
+        output_dir=str(tmp_path / "run"),
+        epochs=2,
+        batch_size=16,
+        metrics=["accuracy", {"name": "F1Score", "task": "multiclass", "num_classes": 3, "average": "macro"}],
+        progress_bar=False,
+        compile=False,
+        device="cpu",
+        tensorboard=True,
+        csv=True,
+    )
+    fields.update(overrides)
+    metrics = fields.pop("metrics")
+    fields["metrics"] = {m: {} for m in metrics if isinstance(m, str)} | {
+        m["name"]: {k: v for k, v in m.items() if k != "name"} for m in metrics if isinstance(m, dict)
+    }
+    return ft.TrainerConfig(**fields)
+
+
+def test_trainer_runs_and_writes_a_run_directory(tmp_path: Path):
+    torch.manual_seed(0)
+    trainer = ft.Trainer(SmallNet(), small_config(tmp_path), make_dataset(96), make_dataset(40, seed=1))
+    result = trainer.train()
+    run = tmp_path / "run"
+    assert int(result.state.step) == 2 * 6
+    assert (run / "config.yaml").exists()
+    assert ft.TrainerConfig.from_yaml(run / "config.yaml") == trainer.config
+    records = [json.loads(line) for line in (run / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval/accuracy" in r and "eval/F1Score" in r for r in records)
+    assert (run / "logs" / "metrics.csv").exists() and list((run / "logs" / "tensorboard").iterdir())
+    assert checkpoint.CheckpointManager(run / "checkpoints").all_steps()[-1] == 12
+    metrics = trainer.evaluate(make_dataset(40, seed=1))
+    assert metrics == pytest.approx(result.eval_metrics)
+    preds = trainer.predict(make_dataset(10, seed=2))
+    assert preds.shape == (10, 3)
+    trainer.save(tmp_path / "model.ckpt")
+    fresh = ft.Trainer(SmallNet(), small_config(tmp_path, output_dir=str(tmp_path / "other")), make_dataset(96), make_dataset(40))
+    fresh.load(tmp_path / "model.ckpt")
+    for k in trainer.state.params:
+        assert torch.equal(fresh.state.params[k], trainer.state.params[k])
+
+
+def test_trainer_refuses_to_clobber_a_run(tmp_path: Path):
+    cfg = small_config(tmp_path, epochs=1)
+    ft.Trainer(SmallNet(), cfg, make_dataset(32), make_dataset(16)).train()
+    with pytest.raises(FileExistsError, match="overwrite_output_dir"):
+        ft.Trainer(SmallNet(), cfg, make_dataset(32), make_dataset(16)).train()
+    again = ft.Trainer(SmallNet(), cfg.replace(overwrite_output_dir=True), make_dataset(32), make_dataset(16))
+    assert int(again.train().state.step) == 2
+
+
+def test_eval_strategy_without_eval_dataset_is_explained(tmp_path: Path):
+    with pytest.raises(ft.ConfigError, match="eval_dataset"):
+        ft.Trainer(SmallNet(), small_config(tmp_path), make_dataset(32))
+
+
+def test_freeze_and_init_weights_from(tmp_path: Path):
+    torch.manual_seed(0)
+    base = ft.Trainer(SmallNet(), small_config(tmp_path, epochs=1), make_dataset(64), make_dataset(16))
+    base.train()
+    base.save(tmp_path / "pretrained.ckpt")
+    # a new head (4 classes): body weights load, the head stays at its initial value and body is frozen
+    model = SmallNet(classes=4)
+    cfg = small_config(
+        tmp_path, output_dir=str(tmp_path / "finetune"), metrics=["accuracy"], epochs=1,
+        init_weights_from=str(tmp_path / "pretrained.ckpt"), freeze={"patterns": ["body.*"]},
+    )
+    ds = torch.utils.data.TensorDataset(make_dataset(64).tensors[0], make_dataset(64).tensors[1] % 4)
+    tuned = ft.Trainer(model, cfg, ds, ds)
+    assert set(tuned.init_report.loaded) >= {"body.0.weight", "body.0.bias"}
+    assert "head.weight" in tuned.init_report.initial
+    start = tuned.state
+    assert torch.equal(start.params["body.0.weight"], base.state.params["body.0.weight"])
+    end = tuned.train().state
+    assert torch.equal(end.params["body.0.weight"], start.params["body.0.weight"]), "frozen by pattern"
+    assert not torch.equal(end.params["head.weight"], start.params["head.weight"])
+
+
+class Recorder(ft.callbacks.Callback):
+    def __init__(self):
+        self.events = []
+
+    def on_epoch_end(self, state, ctx):
+        self.events.append(("epoch_end", ctx.epoch))
+        return state
+
+
+def test_subclass_extension_points_compile_into_the_step(tmp_path: Path):
+    calls = {"preprocess": 0, "augment": 0}
+
+    class Custom(ft.Trainer):
+        def preprocess(self, batch):
+            calls["preprocess"] += 1
+            x, y = batch
+            return x * 2.0, y
+
+        def augment(self, batch):
+            calls["augment"] += 1
+            x, y = batch
+            return x + 0.01 * torch.randn_like(x), y
+
+    rec = Recorder()
+    trainer = Custom(SmallNet(), small_config(tmp_path, epochs=2), make_dataset(32), make_dataset(16), callbacks=[rec])
+    trainer.train()
+    assert calls["augment"] > 0 and calls["preprocess"] > calls["augment"]
+    assert rec.events == [("epoch_end", 0), ("epoch_end", 1)]
+
+
+@pytest.mark.slow
+def test_trainer_killed_and_resumed_is_bit_identical(tmp_path: Path):
+    job = [sys.executable, str(HERE / "trainer_job.py")]
+    full = tmp_path / "full"
+    out = subprocess.run([*job, str(full)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen([*job, str(killed), "--sleep", "0.1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    manager = None
+    while time.time() < deadline and proc.poll() is None:
+        if manager is None and (killed / "checkpoints").exists():
+            manager = checkpoint.CheckpointManager(killed / "checkpoints", is_writer=False)  # a reader only
+        if manager is not None and (manager.latest() or 0) >= 14:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert 14 <= manager.latest() < 30
+    out = subprocess.run([*job, str(killed), "--resume"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    a = checkpoint.restore(full / "final.ckpt")
+    b = checkpoint.restore(killed / "final.ckpt")
+    la, lb = tree.leaves(a), tree.leaves(b)
+    assert len(la) == len(lb) and all(torch.equal(x, y) for x, y in zip(la, lb) if isinstance(x, torch.Tensor))
+    lines = lambda run: [json.loads(s) for s in (run / "logs" / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith(("time/", "memory/"))} for r in rs]  # noqa: E731
+    assert strip(lines(full)) == strip(lines(killed))
+
+
+# ------------------------------------------------------------------------------------------ CLI
+
+
+def write_config(tmp_path: Path, **extra) -> Path:
+    cfg = {
+        "output_dir": str(tmp_path / "cli_run"),
+        "model": "trainer_fixtures:SmallNet",
+        "train_dataset": {"target": "trainer_fixtures:make_dataset", "kwargs": {"n": 64}},
+        "eval_dataset": {"target": "trainer_fixtures:make_dataset", "kwargs": {"n": 32, "seed": 1}},
+        "test_dataset": {"target": "trainer_fixtures:make_dataset", "kwargs": {"n": 16, "seed": 2}},
+        "epochs": 1,
+        "batch_size": 16,
+        "metrics": ["accuracy"],
+        "compile": False,
+        "progress_bar": False,
+        "device": "cpu",
+        **extra,
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(ft.TrainerConfig.from_dict(cfg).to_yaml())
+    return path
+
+
+def test_cli_train_eval_predict(tmp_path: Path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(HERE))
+    path = write_config(tmp_path)
+    assert cli(["train", str(path), "optimizer.lr=3e-3", "epochs=2"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["step"] == 8 and "test/accuracy" in summary
+    assert cli(["eval", str(path)]) == 0
+    assert "eval/accuracy" in json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert cli(["predict", str(path), "--output", str(tmp_path / "preds.ckpt")]) == 0
+    assert checkpoint.restore(tmp_path / "preds.ckpt")["preds"].shape == (16, 3)
+    assert cli(["inspect", str(tmp_path / "preds.ckpt")]) == 0
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("optimizer.lrr=0.1", "optimizer.lrr"),
+        ("epochs=-1", "epochs"),
+        ("model=trainer_fixtures:NoSuchNet", "model"),
+        ("eval_strategy=steps", "eval_steps"),
+    ],
+)
+def test_cli_bad_config_names_the_field(tmp_path: Path, capsys, monkeypatch, override, field):
+    monkeypatch.syspath_prepend(str(HERE))
+    path = write_config(tmp_path)
+    assert cli(["train", str(path), override]) == 2
+    err = capsys.readouterr().err
+    assert field in err and "Fix:" in err
+
+
+def test_cli_help_config_lists_fields(capsys):
+    assert cli(["train", "--help-config"]) == 0
+    text = capsys.readouterr().out
+    for name in ("optimizer.lr", "gradient_accumulation_steps", "mixed_precision", "freeze.patterns"):
+        assert name in text
+
+
+def test_demo_runs_small(tmp_path: Path):
+    from functrain import demo
+
+    results = demo.run(str(tmp_path / "demo"), epochs=1, compile=False, progress_bar=False, tensorboard=False)
+    assert results["eval/accuracy"] > 0.6
+    assert os.path.exists(tmp_path / "demo" / "logs" / "metrics.jsonl")
