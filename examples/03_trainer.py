@@ -1,0 +1,39 @@
+"""Layer 3 — the Trainer facade, configured like Hugging Face's / Hezar's / Towhee's trainers.
+
+    python examples/03_trainer.py
+"""
+
+import os
+
+import torch
+
+import functrain as ft
+from functrain.demo import DigitsCNN, digits_splits
+
+SMALL = os.environ.get("FUNCTRAIN_SMALL") == "1"
+train, val, test = digits_splits()
+config = ft.TrainerConfig(
+    output_dir=os.environ.get("FUNCTRAIN_OUT", "runs/trainer_example"),
+    overwrite_output_dir=True,
+    epochs=1 if SMALL else 10,
+    batch_size=32,
+    gradient_accumulation_steps=2,  # 64 examples per optimizer step, in two micro-batches
+    optimizer={"name": "adamw", "lr": 3e-3, "weight_decay": 1e-4},
+    scheduler={"name": "warmup_cosine", "warmup_ratio": 0.1},
+    loss={"name": "CrossEntropyLoss", "args": {"label_smoothing": 0.05}},
+    metrics={"accuracy": {}, "F1Score": {"task": "multiclass", "num_classes": 10, "average": "macro"}},
+    metric_for_best_model="accuracy",
+    load_best_model_at_end=True,
+    early_stopping={"monitor": "accuracy", "patience": 4},
+    max_grad_norm=1.0,
+    mixed_precision="bf16",
+    tensorboard=True,
+    csv=True,
+    compile=not SMALL,
+    progress_bar=not SMALL,
+    device="cpu",
+)
+torch.manual_seed(0)
+trainer = ft.Trainer(DigitsCNN(), config, train_dataset=train, eval_dataset=val)
+trainer.train()
+print("test:", trainer.evaluate(test))

@@ -1,0 +1,48 @@
+"""Every example runs as a newcomer would run it (small: FUNCTRAIN_SMALL=1), the notebook headless."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+SCRIPTS = sorted(p.name for p in EXAMPLES.glob("*.py") if p.name[0].isdigit())
+
+
+def small_env(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, "FUNCTRAIN_SMALL": "1", "FUNCTRAIN_OUT": str(tmp_path / "out"),
+            "FUNCTRAIN_PLOT": str(tmp_path / "curves.png")}
+
+
+def test_every_example_is_listed():
+    assert SCRIPTS == ["01_compose_steps.py", "02_fit.py", "03_trainer.py", "04_finetune.py"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_example_runs(script: str, tmp_path: Path):
+    args = [sys.executable, str(EXAMPLES / script)]
+    if script == "02_fit.py":
+        args.append(str(tmp_path / "fit_run"))
+    out = subprocess.run(args, cwd=tmp_path, env=small_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    if script == "02_fit.py":
+        assert (tmp_path / "fit_run" / "curves.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_notebook_executes_headless(tmp_path: Path, monkeypatch):
+    nbformat = pytest.importorskip("nbformat")
+    from nbclient import NotebookClient
+
+    for key, value in small_env(tmp_path).items():
+        monkeypatch.setenv(key, value)
+    nb = nbformat.read(EXAMPLES / "train_digits.ipynb", as_version=4)
+    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    assert (tmp_path / "curves.png").stat().st_size > 1000
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    assert not [o for o in outputs if o.get("output_type") == "error"]
