@@ -141,8 +141,10 @@ def main() -> None:
             )
     else:
         rows.append("| 1 GPU, with / without the all-reduce path | - | - | no GPU on this machine | - |")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
-        f"{datetime.date.today()} | {platform.processor() or platform.machine()} | {cores} cores | torch {torch.__version__}"
+        f"{datetime.date.today()} | {platform.processor() or platform.machine()} | {cores} cores | "
+        f"torch {torch.__version__} | 1-min load average at the end: {load:.1f}"
     )
     print("| configuration | processes x threads | global batch | step (ms) | samples/s |")
     print("|---|---|---|---|---|")
