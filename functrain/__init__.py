@@ -23,6 +23,7 @@ from functrain.step import (
     make_train_step,
     supervised_loss,
 )
+from functrain.tasks import ImageClassificationTrainer, SegmentationTrainer
 from functrain.trainer import Trainer
 
 __version__ = "0.1.0"
@@ -33,7 +34,9 @@ __all__ = [
     "DonatedStateError",
     "FitResult",
     "GraphBreakError",
+    "ImageClassificationTrainer",
     "RecompileError",
+    "SegmentationTrainer",
     "TrainState",
     "Trainer",
     "TrainerConfig",
