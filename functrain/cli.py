@@ -74,22 +74,15 @@ def _train(args: argparse.Namespace) -> int:
     if args.config is None:
         print("functrain train: give a CONFIG.yaml (or --help-config)", file=sys.stderr)
         return 2
-    import contextlib
+    from functrain import distributed
 
-    try:
-        from functrain import distributed
-
-        launch = distributed.initialize_from_env()
-        is_main = distributed.is_main_process
-    except (ImportError, AttributeError):  # TODO(distributed): remove once the package lands
-        launch, is_main = contextlib.nullcontext(), lambda: True
-    with launch:
+    with distributed.initialize():  # torchrun: one process per device; plain python: a no-op
         trainer = _build_trainer(args.config, args.overrides)
         result = trainer.train()
         summary = dict(result.eval_metrics or {})
         if getattr(trainer, "test_dataset", None) is not None:
             summary.update({k.replace("eval/", "test/"): v for k, v in trainer.evaluate(trainer.test_dataset).items()})
-        if is_main():
+        if distributed.is_main_process():
             print(json.dumps({"step": int(result.state.step), **summary, "stop_reason": result.stop_reason}))
     return 0
 

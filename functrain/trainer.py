@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from functrain import callbacks as cbs
-from functrain import checkpoint, data, metrics, optim
+from functrain import checkpoint, data, distributed, metrics, optim
 from functrain import logging as ftlog
 from functrain.config import ConfigError, TrainerConfig
 from functrain.jit import jit
@@ -52,7 +52,9 @@ def resolve_device(name: str) -> torch.device:
         device(type='cpu')
     """
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if torch.cuda.is_available():
+            return torch.device("cuda", distributed.local_rank()) if distributed.is_distributed() else torch.device("cuda")
+        return torch.device("cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError.single("device", f"device={name!r} but CUDA is not available here", "use device=cpu or auto")
@@ -206,9 +208,14 @@ class Trainer:
         self.schedule = build_schedule(cfg, self.total_steps)
         self.tx = optimizer if optimizer is not None else self.build_optimizer()
         self.state = self._initial_state()
+        reducer = None
+        if distributed.is_distributed():  # torchrun: same start on every rank, gradients averaged in the step
+            self.state = distributed.replicate(self.state, device=self.device)
+            reducer = distributed.gradient_reducer(model=model)
         self._train_step = make_train_step(
             model, self._loss_for_training, accumulate=cfg.gradient_accumulation_steps,
             precision=self._precision, metrics=None, freeze_batchnorm=cfg.freeze.batchnorm,
+            gradient_reducer=reducer,
         )
         self._eval_step = make_eval_step(model, self._loss_for_eval, metrics=self.metrics, precision=self._precision)
         self._predict_step = make_predict_step(model, self._forward_for_predict, precision=self._precision)
@@ -261,8 +268,10 @@ class Trainer:
             raise ValueError("Trainer.train: no train_dataset was given")
         out = Path(cfg.output_dir)
         self._check_output_dir(out)
-        out.mkdir(parents=True, exist_ok=True)
-        cfg.save(out / "config.yaml")
+        distributed.barrier()  # every rank checks the directory before rank 0 writes into it
+        if distributed.is_main_process():
+            out.mkdir(parents=True, exist_ok=True)
+            cfg.save(out / "config.yaml")
         manager = checkpoint.CheckpointManager(
             out / cfg.checkpoints_dir,
             max_to_keep=cfg.save_total_limit,
@@ -424,8 +433,9 @@ class Trainer:
                 fn, compile=cfg.compile, mode=cfg.compile_mode, donate=cfg.donate and kind == "train",
                 dynamic=None if kind != "train" else False,
             )
-            # the loop finds the metric collection on the step (a bound method carries no attributes)
+            # the loop finds these on the step (a bound method carries no attributes of its own)
             self._jitted[kind].metrics = self.metrics if kind == "eval" else None
+            self._jitted[kind].gradient_reducer = getattr(self._train_step, "gradient_reducer", None)
         return self._jitted[kind]
 
     def _loader(self, dataset: Any, batch_size: int, *, train: bool) -> data.Loader:
@@ -507,12 +517,6 @@ class Trainer:
         return {k: saved[k].to(v.device) for k, v in target.items()}
 
 
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
-
-
-def _world_size() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size()
-    return 1
+_rank = distributed.rank
+_world_size = distributed.world_size
 

@@ -228,3 +228,25 @@ def test_demo_runs_small(tmp_path: Path):
     results = demo.run(str(tmp_path / "demo"), epochs=1, compile=False, progress_bar=False, tensorboard=False)
     assert results["eval/accuracy"] > 0.6
     assert os.path.exists(tmp_path / "demo" / "logs" / "metrics.jsonl")
+
+
+@pytest.mark.slow
+def test_cli_under_torchrun_two_processes(tmp_path: Path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = write_config(tmp_path, epochs=2, batch_size=8)
+    env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+         "-m", "functrain", "train", str(path)],
+        capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    summaries = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert len(summaries) == 1, "only rank 0 prints"
+    assert summaries[0]["step"] == 2 * 64 // (8 * 2) and "test/accuracy" in summaries[0]
+    steps = checkpoint.CheckpointManager(tmp_path / "cli_run" / "checkpoints", is_writer=False).all_steps()
+    assert steps == [4, 8]
