@@ -467,11 +467,12 @@ def fit(
                 position = next_position
                 ctx.step, ctx.batch_index, ctx.metrics = host_step, index, metrics
                 window.add(metrics)
+                epoch_done = bpe is not None and index == bpe
+                ctx.logging_step = host_step % log_every == 0 or epoch_done or host_step >= total
                 state = events("step_end", state, ctx)
                 ctx.previous_state = None
                 control = ctx.control
-                epoch_done = bpe is not None and index == bpe
-                if control.should_log or host_step % log_every == 0 or epoch_done or host_step >= total:
+                if control.should_log or ctx.logging_step:
                     do_log()
                     state = reset_train_metrics(state)
                 if epoch_done:

@@ -100,7 +100,8 @@ class Context:
         step: optimizer steps done (a Python int the loop keeps: reading it never syncs).
         epoch: the current epoch (0-based); ``batch_index``: batches done in it.
         batches_per_epoch, max_steps: the run's length (``None`` when unknown); ``log_every``: how often
-            the loop logs (callbacks that put values in ``history`` do it on those steps).
+            the loop logs; ``logging_step``: whether the loop logs after this step's ``step_end``
+            (callbacks that put values in ``history`` do it then, and they are written with the rest).
         metrics: the last train step's metrics, as tensors (call ``float()`` only when you need a value:
             that waits for the device).
         logs: the latest logged values (floats) by name, e.g. ``"train/loss"``, ``"eval/accuracy"``.
@@ -118,6 +119,7 @@ class Context:
     batches_per_epoch: int | None = None
     max_steps: int | None = None
     log_every: int = 50
+    logging_step: bool = False
     metrics: Mapping[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     logs: dict[str, float] = dataclasses.field(default_factory=dict)
     eval_metrics: dict[str, float] | None = None

@@ -17,7 +17,7 @@ __all__ = ["LearningRateMonitor", "NonFiniteGuard", "NonFiniteLossError", "Timer
 
 
 def _is_log_step(ctx: Context) -> bool:
-    return ctx.step % max(ctx.log_every, 1) == 0 or ctx.step == ctx.max_steps
+    return ctx.logging_step
 
 
 class LearningRateMonitor(Callback):

@@ -1,0 +1,178 @@
+"""fit / evaluate / predict: event order, control requests, exact metrics, logs, errors (eager steps)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torchmetrics
+from models import mlp
+
+import functrain as ft
+
+
+def dataset(n=50, d=8, classes=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g)
+    y = torch.randint(0, classes, (n,), generator=g)
+    return list(zip(x, y))
+
+
+def setup(dropout=0.0):
+    torch.manual_seed(0)
+    model = mlp(dropout=dropout)
+    loss_fn = ft.supervised_loss(F.cross_entropy)
+    metrics = ft.metrics.Collection({
+        "accuracy": ft.metrics.Accuracy(),
+        "f1": ft.metrics.from_torchmetrics("F1Score", task="multiclass", num_classes=3, average="macro"),
+    })
+    state = ft.TrainState.create(model, ft.optim.adam(1e-2), seed=0)
+    train_step = ft.jit(ft.make_train_step(model, loss_fn), compile=False)
+    eval_step = ft.jit(ft.make_eval_step(model, loss_fn, metrics=metrics), compile=False)
+    return model, state, train_step, eval_step
+
+
+class Recorder(ft.callbacks.Callback):
+    def __init__(self, stop_at=None, save_at=None, eval_at=None):
+        self.events = []
+        self.stop_at, self.save_at, self.eval_at = stop_at, save_at, eval_at
+
+    def _record(self, event):
+        def handler(state, ctx):
+            self.events.append((event, ctx.step))
+            if event == "step_end":
+                if ctx.step == self.stop_at:
+                    ctx.control.stop("recorder asked")
+                if ctx.step == self.save_at:
+                    ctx.control.save()
+                if ctx.step == self.eval_at:
+                    ctx.control.evaluate()
+            return state
+
+        return handler
+
+    def __getattribute__(self, name):
+        if name.startswith("on_") and name[3:] in ft.callbacks.EVENTS:
+            return self._record(name[3:])
+        return super().__getattribute__(name)
+
+
+def test_events_fire_in_the_documented_order(tmp_path):
+    _, state, train_step, eval_step = setup()
+    rec = Recorder()
+    ft.fit(state, train_step, dataset(40), batch_size=16, epochs=2, eval_step=eval_step, eval_data=dataset(20, seed=1),
+           eval_batch_size=10, checkpoints=tmp_path / "ckpt", save_every="epoch", callbacks=[rec], progress=False)
+    names = [e for e, _ in rec.events]
+    one_epoch = ["epoch_begin"] + ["step_begin", "step_end"] * 3 + ["epoch_end", "eval_begin"] + [
+        "eval_batch_begin", "eval_batch_end"] * 2 + ["eval_end", "checkpoint_saved"]
+    assert names == ["train_begin", *one_epoch, *one_epoch, "train_end"]
+    # resuming fires checkpoint_restored right after train_begin, and continues at the saved step
+    rec2 = Recorder()
+    result = ft.fit(state, train_step, dataset(40), batch_size=16, epochs=3, eval_step=eval_step,
+                    eval_data=dataset(20, seed=1), eval_batch_size=10, checkpoints=tmp_path / "ckpt", save_every="epoch",
+                    resume=True, callbacks=[rec2], progress=False)
+    assert rec2.events[:3] == [("train_begin", 6), ("checkpoint_restored", 6), ("epoch_begin", 6)]
+    assert int(result.state.step) == 9
+
+
+def test_stop_save_and_evaluate_requests_are_honoured(tmp_path):
+    _, state, train_step, eval_step = setup()
+    rec = Recorder(stop_at=5, save_at=2, eval_at=3)
+    manager = ft.checkpoint.CheckpointManager(tmp_path / "ckpt")
+    result = ft.fit(state, train_step, dataset(80), batch_size=8, epochs=3, eval_step=eval_step, eval_data=dataset(20),
+                    eval_every=None, checkpoints=manager, callbacks=[rec], progress=False)
+    assert int(result.state.step) == 5 and result.stop_reason == "recorder asked"
+    assert manager.all_steps() == [2, 5]  # the requested save, and the final state
+    evals = [s for e, s in rec.events if e == "eval_end"]
+    assert evals == [3]
+    assert result.eval_metrics is not None
+
+
+def test_callback_must_return_the_state():
+    _, state, train_step, _ = setup()
+    bad = ft.callbacks.LambdaCallback(on_step_end=lambda s, ctx: None)
+    with pytest.raises(TypeError, match="must return the state"):
+        ft.fit(state, train_step, dataset(16), batch_size=8, max_steps=1, callbacks=[bad], progress=False)
+
+
+def test_evaluate_equals_torchmetrics_on_the_whole_set_with_a_short_last_batch():
+    model, state, _, eval_step = setup()
+    data = dataset(53, seed=3)  # batches of 16: 16, 16, 16, 5
+    results = ft.evaluate(state, eval_step, data, batch_size=16)
+    x = torch.stack([d[0] for d in data])
+    y = torch.stack([d[1] for d in data])
+    model.load_state_dict(state.state_dict())
+    model.eval()
+    with torch.no_grad():
+        logits = model(x)
+    acc = torchmetrics.functional.accuracy(logits, y, task="multiclass", num_classes=3)
+    f1 = torchmetrics.functional.f1_score(logits, y, task="multiclass", num_classes=3, average="macro")
+    assert results["eval/accuracy"] == pytest.approx(float(acc), abs=1e-6)
+    assert results["eval/f1"] == pytest.approx(float(f1), abs=1e-6)
+    assert results["eval/loss"] == pytest.approx(float(F.cross_entropy(logits, y)), rel=1e-5)
+
+
+def test_predict_streams_and_collects():
+    _, state, _, _ = setup()
+    step = ft.make_predict_step(setup()[0])
+    data = [d[0] for d in dataset(21)]
+    streamed = list(ft.predict(state, step, data, batch_size=8))
+    assert [s.shape[0] for s in streamed] == [8, 8, 5]
+    collected = ft.predict(state, step, data, batch_size=8, collect=True)
+    assert torch.equal(collected, torch.cat(streamed))
+
+
+def test_logs_reach_jsonl_csv_and_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, state, train_step, eval_step = setup()
+    loggers = [ft.logging.JSONLWriter(tmp_path), ft.logging.CSVWriter(tmp_path), ft.logging.TensorBoardWriter(tmp_path / "tb")]
+    ft.fit(state, train_step, dataset(48), batch_size=8, epochs=2, log_every=4, eval_step=eval_step,
+           eval_data=dataset(16), callbacks=[ft.callbacks.LearningRateMonitor()], loggers=loggers, progress=False)
+    for lg in loggers:
+        lg.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train_steps = [r["step"] for r in records if "train/loss" in r]
+    assert train_steps == [4, 6, 8, 12]  # every 4 steps and at each epoch's end (6 batches)
+    assert [r["step"] for r in records if "eval/accuracy" in r] == [6, 12]
+    assert all("lr" in r for r in records if "train/loss" in r)
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    assert {"train/loss", "eval/loss", "eval/accuracy", "lr"} <= set(tags)
+    assert [e.step for e in acc.Scalars("eval/accuracy")] == [6, 12]
+    header = (tmp_path / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert "step" in header and "train/loss" in header
+
+
+def test_fit_argument_errors_are_explained():
+    _, state, train_step, eval_step = setup()
+    with pytest.raises(ValueError, match="epochs=... or max_steps"):
+        ft.fit(state, train_step, dataset(8), batch_size=4, progress=False)
+    with pytest.raises(ValueError, match="eval_step and eval_data"):
+        ft.fit(state, train_step, dataset(8), batch_size=4, epochs=1, eval_step=eval_step, progress=False)
+    with pytest.raises(ValueError, match="batch_size"):
+        ft.fit(state, train_step, dataset(8), epochs=1, progress=False)
+
+
+def test_early_stopping_stops_and_restores_best():
+    _, state, train_step, eval_step = setup()
+    stopper = ft.callbacks.EarlyStopping("eval/loss", patience=2, min_delta=10.0, restore_best=True)
+    result = ft.fit(state, train_step, dataset(32), batch_size=8, epochs=10, eval_step=eval_step,
+                    eval_data=dataset(16, seed=2), callbacks=[stopper], progress=False)
+    # min_delta is huge: only the first evaluation counts as an improvement, two more exhaust patience
+    assert int(result.state.step) == 3 * 4 and "early stopping" in result.stop_reason
+    assert stopper.best_step == 4
+    assert torch.equal(result.state.params["0.weight"], stopper.best_weights["params"]["0.weight"])
+
+
+def test_non_finite_guard_names_the_step():
+    model = mlp()
+    state = ft.TrainState.create(model, ft.optim.sgd(0.1))
+    step = ft.jit(ft.make_train_step(model, lambda call, b: F.cross_entropy(call(b[0]), b[1]) * float("nan")), compile=False)
+    guard = ft.callbacks.NonFiniteGuard(action="stop")
+    result = ft.fit(state, step, dataset(16), batch_size=8, epochs=1, callbacks=[guard], progress=False)
+    assert "step 1" in result.stop_reason and guard.bad_steps == [1]
+    assert torch.equal(result.state.params["0.weight"], state.params["0.weight"]), "the bad update is not kept"
