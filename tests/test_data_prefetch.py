@@ -1,7 +1,6 @@
 import subprocess
 import sys
 import threading
-import time
 import traceback
 
 import pytest
@@ -92,15 +91,12 @@ def test_an_abandoned_prefetcher_does_not_block_interpreter_exit():
         "print(next(p))\n"
         "import functrain.data.prefetch as m\n"
         "m._keep = p\n"  # a live reference at exit: only the daemon flag lets Python leave
-        "import time\n"
-        "print(time.time())\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    exited = time.time()
+    # The producer blocks forever on a full queue: if shutdown waited for it, the child would never
+    # exit and subprocess.run would raise TimeoutExpired (a hang check, not a timing assertion).
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    first, script_end = result.stdout.split()
-    assert first == "0"
-    assert exited - float(script_end) < 3.0  # shutdown does not wait on the producer thread
+    assert result.stdout.split() == ["0"]
 
 
 def test_size_must_be_positive():
