@@ -15,8 +15,25 @@ from functrain.metrics.accuracy import Accuracy
 from functrain.metrics.average import Average, AverageState
 from functrain.metrics.base import INPUT_NAMES, Metric
 from functrain.metrics.collection import Collection
-from functrain.metrics.registry import available_metrics, metric_from_spec
-from functrain.metrics.torchmetric import TorchMetric, from_torchmetrics, torchmetrics_names
+
+# torchmetrics takes seconds to import: the names that need it load on first use (PEP 562).
+_LAZY = {
+    "available_metrics": "functrain.metrics.registry",
+    "metric_from_spec": "functrain.metrics.registry",
+    "TorchMetric": "functrain.metrics.torchmetric",
+    "from_torchmetrics": "functrain.metrics.torchmetric",
+    "torchmetrics_names": "functrain.metrics.torchmetric",
+}
+
+
+def __getattr__(name: str):  # noqa: ANN202
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'functrain.metrics' has no attribute {name!r}")
 
 __all__ = [
     "INPUT_NAMES",
