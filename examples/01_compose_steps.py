@@ -1,6 +1,6 @@
 """Layer 1 — compose the pieces by hand: a state, an optimizer, a compiled step and a plain `for` loop.
 
-    python examples/01_compose_steps.py            (FUNCTRAIN_SMALL=1: a few steps, no compile)
+python examples/01_compose_steps.py            (FUNCTRAIN_SMALL=1: a few steps, no compile)
 """
 
 import os

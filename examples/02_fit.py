@@ -1,6 +1,6 @@
 """Layer 2 — `fit`: callbacks, evaluation, logs, checkpoints and exact resume around the same step.
 
-    python examples/02_fit.py [RUN_DIR]            (run it twice: the second run resumes, then ends)
+python examples/02_fit.py [RUN_DIR]            (run it twice: the second run resumes, then ends)
 """
 
 import os
@@ -34,7 +34,9 @@ result = ft.fit(
     log_every=10,
     callbacks=[
         ft.callbacks.EarlyStopping("eval/accuracy", mode="max", patience=3, restore_best=True),
-        ft.callbacks.ModelCheckpoint(f"{run_dir}/checkpoints", every_n_epochs=1, monitor="eval/accuracy", mode="max"),
+        ft.callbacks.ModelCheckpoint(
+            f"{run_dir}/checkpoints", every_n_epochs=1, monitor="eval/accuracy", mode="max"
+        ),
         ft.callbacks.LearningRateMonitor(),
         ft.callbacks.Timer(),
         ft.callbacks.Preemption(),  # Ctrl-C or SIGTERM: save, stop; the next run resumes
@@ -44,5 +46,8 @@ result = ft.fit(
     progress=not SMALL,
 )
 print("stopped:", result.stop_reason or "finished", "| last evaluation:", result.eval_metrics)
-print("test:", ft.evaluate(result.state, ft.make_eval_step(model, loss_fn, metrics=metrics), test, batch_size=120))
+print(
+    "test:",
+    ft.evaluate(result.state, ft.make_eval_step(model, loss_fn, metrics=metrics), test, batch_size=120),
+)
 ft.logging.plot_run(f"{run_dir}/logs", f"{run_dir}/curves.png")

@@ -1,6 +1,6 @@
 """Layer 3 — the Trainer facade, configured like Hugging Face's / Hezar's / Towhee's trainers.
 
-    python examples/03_trainer.py
+python examples/03_trainer.py
 """
 
 import os

@@ -1,6 +1,6 @@
 """Fine-tuning: start from a trained run's weights (init_weights_from), new head, frozen feature layers.
 
-    python examples/04_finetune.py
+python examples/04_finetune.py
 """
 
 import os
@@ -14,8 +14,15 @@ from functrain.demo import DigitsCNN, digits_splits
 SMALL = os.environ.get("FUNCTRAIN_SMALL") == "1"
 out = os.environ.get("FUNCTRAIN_OUT", "runs/finetune_example")
 train, val, _ = digits_splits()
-common = dict(overwrite_output_dir=True, batch_size=64, compile=False, progress_bar=False, device="cpu",
-              metrics=["accuracy"], epochs=1 if SMALL else 4)
+common = dict(
+    overwrite_output_dir=True,
+    batch_size=64,
+    compile=False,
+    progress_bar=False,
+    device="cpu",
+    metrics=["accuracy"],
+    epochs=1 if SMALL else 4,
+)
 
 # 1. pretrain on digits 0-9
 torch.manual_seed(0)
@@ -33,7 +40,8 @@ def parity(ds):
 model = DigitsCNN()
 model.head[-1] = nn.Linear(model.head[-1].in_features, 2)
 config = ft.TrainerConfig(
-    output_dir=f"{out}/parity", init_weights_from=f"{out}/pretrained.ckpt",
+    output_dir=f"{out}/parity",
+    init_weights_from=f"{out}/pretrained.ckpt",
     freeze={"module_indices": [0], "batchnorm": True},  # model.features: weights and BatchNorm statistics
     **common,
 )

@@ -37,7 +37,9 @@ def _build_trainer(config_path: str, overrides: Sequence[str]) -> Any:
     if cfg.model is None:
         raise ConfigError.single("model", "the config names no model", "set model: package.module:ModelClass")
     if cfg.train_dataset is None and cfg.eval_dataset is None:
-        raise ConfigError.single("train_dataset", "the config names no dataset", "set train_dataset: package.module:load_train")
+        raise ConfigError.single(
+            "train_dataset", "the config names no dataset", "set train_dataset: package.module:load_train"
+        )
 
     def build(spec: Any, path: str) -> Any:
         if spec is None:
@@ -49,7 +51,12 @@ def _build_trainer(config_path: str, overrides: Sequence[str]) -> Any:
 
     torch.manual_seed(cfg.seed)
     model = build(cfg.model, "model")
-    trainer = Trainer(model, cfg, train_dataset=build(cfg.train_dataset, "train_dataset"), eval_dataset=build(cfg.eval_dataset, "eval_dataset"))
+    trainer = Trainer(
+        model,
+        cfg,
+        train_dataset=build(cfg.train_dataset, "train_dataset"),
+        eval_dataset=build(cfg.eval_dataset, "eval_dataset"),
+    )
     trainer.test_dataset = build(cfg.test_dataset, "test_dataset")
     return trainer
 
@@ -81,7 +88,9 @@ def _train(args: argparse.Namespace) -> int:
         result = trainer.train()
         summary = dict(result.eval_metrics or {})
         if getattr(trainer, "test_dataset", None) is not None:
-            summary.update({k.replace("eval/", "test/"): v for k, v in trainer.evaluate(trainer.test_dataset).items()})
+            summary.update(
+                {k.replace("eval/", "test/"): v for k, v in trainer.evaluate(trainer.test_dataset).items()}
+            )
         if distributed.is_main_process():
             print(json.dumps({"step": int(result.state.step), **summary, "stop_reason": result.stop_reason}))
     return 0
@@ -103,7 +112,9 @@ def _predict(args: argparse.Namespace) -> int:
 
     trainer = _build_trainer(args.config, args.overrides)
     trainer.load(args.checkpoint or _latest_checkpoint(trainer))
-    dataset = {"test": trainer.test_dataset, "eval": trainer.eval_dataset, "train": trainer.train_dataset}[args.split]
+    dataset = {"test": trainer.test_dataset, "eval": trainer.eval_dataset, "train": trainer.train_dataset}[
+        args.split
+    ]
     if dataset is None:
         print(f"functrain predict: the config has no {args.split}_dataset", file=sys.stderr)
         return 2
@@ -128,21 +139,30 @@ def build_parser() -> argparse.ArgumentParser:
     from functrain.checkpoint import cli as checkpoint_cli
     from functrain.logging import cli as logging_cli
 
-    parser = argparse.ArgumentParser(prog="functrain", description="functional, JAX-style training for PyTorch")
+    parser = argparse.ArgumentParser(
+        prog="functrain", description="functional, JAX-style training for PyTorch"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train from a YAML config (key=value overrides allowed)")
     train.add_argument("config", nargs="?", metavar="CONFIG.yaml")
-    train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. optimizer.lr=3e-4")
+    train.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. optimizer.lr=3e-4"
+    )
     train.add_argument("--help-config", action="store_true", help="list every config field with its default")
     train.set_defaults(func=_train)
 
-    for name, fn, helptext in (("eval", _eval, "evaluate a trained run"), ("predict", _predict, "write predictions")):
+    for name, fn, helptext in (
+        ("eval", _eval, "evaluate a trained run"),
+        ("predict", _predict, "write predictions"),
+    ):
         p = sub.add_parser(name, help=helptext)
         p.add_argument("config", metavar="CONFIG.yaml")
         p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
         p.add_argument("--checkpoint", help="checkpoint file (default: the run's latest, or best)")
-        p.add_argument("--split", choices=("eval", "test", "train"), default="test" if name == "predict" else "eval")
+        p.add_argument(
+            "--split", choices=("eval", "test", "train"), default="test" if name == "predict" else "eval"
+        )
         if name == "predict":
             p.add_argument("--output", required=True, help="msgpack file for the predictions")
         p.set_defaults(func=fn)

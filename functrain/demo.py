@@ -93,7 +93,9 @@ def config(output_dir: str = "runs/demo", **overrides: Any) -> Any:
     return TrainerConfig.from_dict(fields)
 
 
-def run(output_dir: str = "runs/demo", *, overrides: list[str] | None = None, **fields: Any) -> dict[str, float]:
+def run(
+    output_dir: str = "runs/demo", *, overrides: list[str] | None = None, **fields: Any
+) -> dict[str, float]:
     """Train the demo CNN and return the test metrics (also printed)."""
     import time
 

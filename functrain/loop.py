@@ -317,7 +317,9 @@ def fit(
             raise ValueError(f"fit: {name} must be a positive int, got {value!r}")
     if (eval_step is None) != (eval_data is None):
         raise ValueError("fit: eval_step and eval_data go together (give both or neither)")
-    eval_steps_every, eval_at_epoch = _resolve_every(eval_every if eval_step is not None else None, "eval_every")
+    eval_steps_every, eval_at_epoch = _resolve_every(
+        eval_every if eval_step is not None else None, "eval_every"
+    )
     save_steps_every, save_at_epoch = _resolve_every(save_every, "save_every")
 
     loader = _as_loader(
@@ -334,8 +336,12 @@ def fit(
             )
     bpe = loader.batches_per_epoch
     if epochs is not None and bpe is None:
-        raise ValueError("fit: the training data has no length, so epochs=... cannot be counted; use max_steps")
-    total = max_steps if epochs is None else (epochs * bpe if max_steps is None else min(max_steps, epochs * bpe))
+        raise ValueError(
+            "fit: the training data has no length, so epochs=... cannot be counted; use max_steps"
+        )
+    total = (
+        max_steps if epochs is None else (epochs * bpe if max_steps is None else min(max_steps, epochs * bpe))
+    )
 
     callbacks = list(callbacks)
     manager = _as_manager(checkpoints)
@@ -419,7 +425,9 @@ def fit(
 
     def do_eval(s: Any) -> Any:
         s = events("eval_begin", s, ctx)
-        results = evaluate(s, eval_step, eval_data, batch_size=eval_batch_size or batch_size, callbacks=callbacks, ctx=ctx)
+        results = evaluate(
+            s, eval_step, eval_data, batch_size=eval_batch_size or batch_size, callbacks=callbacks, ctx=ctx
+        )
         ctx.eval_metrics = results
         for k, v in results.items():
             history.put(k, v, host_step)
@@ -477,10 +485,14 @@ def fit(
                     state = reset_train_metrics(state)
                 if epoch_done:
                     state = events("epoch_end", state, ctx)
-                due_eval = (eval_steps_every and host_step % eval_steps_every == 0) or (eval_at_epoch and epoch_done)
+                due_eval = (eval_steps_every and host_step % eval_steps_every == 0) or (
+                    eval_at_epoch and epoch_done
+                )
                 if eval_step is not None and (due_eval or control.should_evaluate):
                     state = do_eval(state)
-                due_save = (save_steps_every and host_step % save_steps_every == 0) or (save_at_epoch and epoch_done)
+                due_save = (save_steps_every and host_step % save_steps_every == 0) or (
+                    save_at_epoch and epoch_done
+                )
                 if due_save or control.should_save:
                     state = do_save(state)
                     last_saved = host_step
@@ -516,7 +528,9 @@ def _onto(target: Any, saved: Any) -> Any:
                 return leaf
         if isinstance(leaf, torch.Tensor):
             if not isinstance(node, torch.Tensor):
-                problems.append(f"state.{tree.path_str(path)}: checkpoint holds {type(node).__name__}, not a tensor")
+                problems.append(
+                    f"state.{tree.path_str(path)}: checkpoint holds {type(node).__name__}, not a tensor"
+                )
                 return leaf
             if node.shape != leaf.shape or node.dtype != leaf.dtype:
                 problems.append(
@@ -572,7 +586,9 @@ class _Window:
 
     def to_json(self) -> str:
         sums = _scalar_dict(self.sums)
-        return json.dumps({"count": self.count, "sums": {k: (v if math.isfinite(v) else repr(v)) for k, v in sums.items()}})
+        return json.dumps(
+            {"count": self.count, "sums": {k: (v if math.isfinite(v) else repr(v)) for k, v in sums.items()}}
+        )
 
     @classmethod
     def from_json(cls, text: str, like: Mapping[str, torch.Tensor]) -> _Window:
@@ -580,5 +596,7 @@ class _Window:
         window = cls()
         window.count = int(data["count"])
         device = next(iter(like.values())).device if like else torch.device("cpu")
-        window.sums = {k: torch.tensor(float(v), dtype=torch.float32, device=device) for k, v in data["sums"].items()}
+        window.sums = {
+            k: torch.tensor(float(v), dtype=torch.float32, device=device) for k, v in data["sums"].items()
+        }
         return window

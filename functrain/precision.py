@@ -57,7 +57,11 @@ class LossScale:
 
     @classmethod
     def create(
-        cls, init_scale: float = 2.0**16, growth_interval: int = 2000, factor: float = 2.0, min_scale: float = 1.0
+        cls,
+        init_scale: float = 2.0**16,
+        growth_interval: int = 2000,
+        factor: float = 2.0,
+        min_scale: float = 1.0,
     ) -> LossScale:
         """A loss scale starting at ``init_scale``.
 

@@ -26,7 +26,7 @@ import struct as _struct
 
 import torch
 
-__all__ = ["generator", "is_key", "key", "fold_in", "seed_of", "split", "step_seed"]
+__all__ = ["fold_in", "generator", "is_key", "key", "seed_of", "split", "step_seed"]
 
 _MASK32 = 0xFFFFFFFF
 

@@ -185,7 +185,9 @@ class TrainState:
         if self.tx is None:
             raise ValueError("apply_gradients: this state has no optimizer (tx); create it with one")
         updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
-        return self.replace(step=self.step + 1, params=apply_updates(self.params, updates), opt_state=opt_state)
+        return self.replace(
+            step=self.step + 1, params=apply_updates(self.params, updates), opt_state=opt_state
+        )
 
     # ------------------------------------------------------------------------------------ moving
 

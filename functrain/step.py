@@ -109,7 +109,9 @@ def split_batch(batch: Batch, k: int) -> list[Batch]:
         raise ValueError(f"cannot accumulate over {k} micro-batches: the batch has only {n} examples")
 
     def chunk(i: int) -> Batch:
-        return tree.map(lambda x: x.tensor_split(k)[i] if isinstance(x, torch.Tensor) and x.ndim > 0 else x, batch)
+        return tree.map(
+            lambda x: x.tensor_split(k)[i] if isinstance(x, torch.Tensor) and x.ndim > 0 else x, batch
+        )
 
     return [chunk(i) for i in range(k)]
 

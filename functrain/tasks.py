@@ -76,7 +76,9 @@ class _ImageTask(Trainer):
     ) -> None:
         unknown = sorted(set(augmentations) - set(AUGMENTATIONS))
         if unknown:
-            raise ValueError(f"{type(self).__name__}: unknown augmentations {unknown}; known: {list(AUGMENTATIONS)}")
+            raise ValueError(
+                f"{type(self).__name__}: unknown augmentations {unknown}; known: {list(AUGMENTATIONS)}"
+            )
         if (mean is None) != (std is None):
             raise ValueError(f"{type(self).__name__}: give both mean and std (per channel), or neither")
         self.mean = None if mean is None else torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)

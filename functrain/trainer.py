@@ -53,13 +53,21 @@ def resolve_device(name: str) -> torch.device:
     """
     if name == "auto":
         if torch.cuda.is_available():
-            return torch.device("cuda", distributed.local_rank()) if distributed.is_distributed() else torch.device("cuda")
+            return (
+                torch.device("cuda", distributed.local_rank())
+                if distributed.is_distributed()
+                else torch.device("cuda")
+            )
         return torch.device("cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError.single("device", f"device={name!r} but CUDA is not available here", "use device=cpu or auto")
+        raise ConfigError.single(
+            "device", f"device={name!r} but CUDA is not available here", "use device=cpu or auto"
+        )
     if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError.single("device", f"device={name!r} but MPS is not available here", "use device=cpu or auto")
+        raise ConfigError.single(
+            "device", f"device={name!r} but MPS is not available here", "use device=cpu or auto"
+        )
     return device
 
 
@@ -75,10 +83,13 @@ def build_schedule(config: TrainerConfig, total_steps: int) -> optim.Schedule | 
         0.001
     """
     sc, lr = config.scheduler, config.optimizer.lr
-    warmup = sc.warmup_steps if sc.warmup_steps is not None else math.floor((sc.warmup_ratio or 0.0) * total_steps)
+    warmup = (
+        sc.warmup_steps if sc.warmup_steps is not None else math.floor((sc.warmup_ratio or 0.0) * total_steps)
+    )
     if warmup >= total_steps and total_steps > 0 and warmup > 0:
         raise ConfigError.single(
-            "scheduler.warmup_steps", f"warm-up of {warmup} steps is not shorter than the run ({total_steps} steps)",
+            "scheduler.warmup_steps",
+            f"warm-up of {warmup} steps is not shorter than the run ({total_steps} steps)",
             "lower warmup_steps/warmup_ratio or train longer",
         )
     rest = max(total_steps - warmup, 1)
@@ -92,31 +103,49 @@ def build_schedule(config: TrainerConfig, total_steps: int) -> optim.Schedule | 
         elif name in ("cosine", "warmup_cosine"):
             main = optim.cosine_decay_schedule(lr, rest, **args)
         elif name == "exponential":
-            main = optim.exponential_decay(lr, args.pop("transition_steps", 1), args.pop("decay_rate", 0.96), **args)
+            main = optim.exponential_decay(
+                lr, args.pop("transition_steps", 1), args.pop("decay_rate", 0.96), **args
+            )
         elif name == "step":
             step_size, gamma = args.pop("step_size"), args.pop("gamma", 0.1)
             boundaries = {k * step_size: gamma for k in range(1, max(rest // step_size, 0) + 1)}
             main = optim.piecewise_constant_schedule(lr, boundaries)
         elif name == "piecewise":
-            main = optim.piecewise_constant_schedule(lr, {int(k): float(v) for k, v in args.pop("boundaries_and_scales").items()})
+            main = optim.piecewise_constant_schedule(
+                lr, {int(k): float(v) for k, v in args.pop("boundaries_and_scales").items()}
+            )
         elif name == "polynomial":
             main = optim.polynomial_schedule(lr, args.pop("end_value", 0.0), args.pop("power", 1.0), rest)
         elif name == "one_cycle":
             if warmup:
-                raise ConfigError.single("scheduler.warmup_steps", "one_cycle has its own warm-up phase", "set pct_start in scheduler.args instead")
+                raise ConfigError.single(
+                    "scheduler.warmup_steps",
+                    "one_cycle has its own warm-up phase",
+                    "set pct_start in scheduler.args instead",
+                )
             return optim.one_cycle_schedule(total_steps, lr, **args)
         else:  # the config validates names; this guards the two lists drifting apart
-            raise ConfigError.single("scheduler.name", f"unknown schedule {name!r}", "see functrain train --help-config")
+            raise ConfigError.single(
+                "scheduler.name", f"unknown schedule {name!r}", "see functrain train --help-config"
+            )
     except (TypeError, KeyError) as err:
-        raise ConfigError.single("scheduler.args", f"bad arguments for schedule {name!r}: {err}", "check the schedule's arguments") from err
+        raise ConfigError.single(
+            "scheduler.args", f"bad arguments for schedule {name!r}: {err}", "check the schedule's arguments"
+        ) from err
     if args and name not in ("cosine", "warmup_cosine", "exponential", "one_cycle"):
-        raise ConfigError.single("scheduler.args", f"unused arguments {sorted(args)} for schedule {name!r}", "remove them")
+        raise ConfigError.single(
+            "scheduler.args", f"unused arguments {sorted(args)} for schedule {name!r}", "remove them"
+        )
     if not warmup:
         return main
-    return optim.join_schedules([optim.linear_schedule(0.0, lr, warmup), lambda count: main(count - warmup)], [warmup])
+    return optim.join_schedules(
+        [optim.linear_schedule(0.0, lr, warmup), lambda count: main(count - warmup)], [warmup]
+    )
 
 
-def build_optimizer(config: TrainerConfig, learning_rate: Any, params: Mapping[str, torch.Tensor], frozen: set[str]) -> optim.GradientTransformation:
+def build_optimizer(
+    config: TrainerConfig, learning_rate: Any, params: Mapping[str, torch.Tensor], frozen: set[str]
+) -> optim.GradientTransformation:
     """The optimizer of ``config.optimizer``, with gradient clipping and frozen parameters.
 
     ``optimizer.args`` take functrain's names or torch's (``betas: [0.9, 0.999]``).
@@ -189,7 +218,8 @@ class Trainer:
         cfg = self.config
         if cfg.eval_strategy != "no" and eval_dataset is None:
             raise ConfigError.single(
-                "eval_strategy", f"eval_strategy={cfg.eval_strategy!r} but no eval_dataset was given",
+                "eval_strategy",
+                f"eval_strategy={cfg.eval_strategy!r} but no eval_dataset was given",
                 "pass eval_dataset=... or set eval_strategy: 'no'",
             )
         self.model = model
@@ -199,7 +229,11 @@ class Trainer:
         self.criterion = loss if loss is not None else self._build_criterion()
         self.device = resolve_device(cfg.device)
         if cfg.mixed_precision == "fp16" and self.device.type != "cuda":
-            raise ConfigError.single("mixed_precision", f"fp16 needs a CUDA device, the run uses {self.device}", "use bf16 on the CPU")
+            raise ConfigError.single(
+                "mixed_precision",
+                f"fp16 needs a CUDA device, the run uses {self.device}",
+                "use bf16 on the CPU",
+            )
         self.extra_callbacks = list(callbacks)
         self.metrics = self._build_metrics()
         self._optimizer_override = optimizer
@@ -213,11 +247,17 @@ class Trainer:
             self.state = distributed.replicate(self.state, device=self.device)
             reducer = distributed.gradient_reducer(model=model)
         self._train_step = make_train_step(
-            model, self._loss_for_training, accumulate=cfg.gradient_accumulation_steps,
-            precision=self._precision, metrics=None, freeze_batchnorm=cfg.freeze.batchnorm,
+            model,
+            self._loss_for_training,
+            accumulate=cfg.gradient_accumulation_steps,
+            precision=self._precision,
+            metrics=None,
+            freeze_batchnorm=cfg.freeze.batchnorm,
             gradient_reducer=reducer,
         )
-        self._eval_step = make_eval_step(model, self._loss_for_eval, metrics=self.metrics, precision=self._precision)
+        self._eval_step = make_eval_step(
+            model, self._loss_for_eval, metrics=self.metrics, precision=self._precision
+        )
         self._predict_step = make_predict_step(model, self._forward_for_predict, precision=self._precision)
         self._jitted: dict[str, Any] = {}
         self.result: FitResult | None = None
@@ -285,7 +325,9 @@ class Trainer:
             self._jit("train", self.train_step),
             self._loader(self.train_dataset, cfg.batch_size * cfg.gradient_accumulation_steps, train=True),
             eval_step=self._jit("eval", self.eval_step) if cfg.eval_strategy != "no" else None,
-            eval_data=self._loader(self.eval_dataset, cfg.resolved_eval_batch_size, train=False) if cfg.eval_strategy != "no" else None,
+            eval_data=self._loader(self.eval_dataset, cfg.resolved_eval_batch_size, train=False)
+            if cfg.eval_strategy != "no"
+            else None,
             epochs=cfg.epochs,
             max_steps=cfg.max_steps,
             eval_every=self._every(cfg.eval_strategy, cfg.eval_steps),
@@ -300,7 +342,10 @@ class Trainer:
         state = result.state
         if cfg.load_best_model_at_end and manager.best() is not None:
             best = manager.restore("best")["state"]
-            state = state.replace(params=self._onto(state.params, best["params"]), buffers=self._onto(state.buffers, best["buffers"]))
+            state = state.replace(
+                params=self._onto(state.params, best["params"]),
+                buffers=self._onto(state.buffers, best["buffers"]),
+            )
             result.state = state
         self.state = state
         self.result = result
@@ -328,7 +373,9 @@ class Trainer:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Save the train state (params, buffers, optimizer state, step, key) as a msgpack checkpoint."""
-        checkpoint.save(path, self.state, step=int(self.state.step), metadata={"tied_parameters": dict(self.state.tied)})
+        checkpoint.save(
+            path, self.state, step=int(self.state.step), metadata={"tied_parameters": dict(self.state.tied)}
+        )
 
     def load(self, path: str | os.PathLike[str]) -> TrainState:
         """Load a state saved by :meth:`save` (or a checkpoint of ``fit``) onto this trainer's state."""
@@ -367,7 +414,9 @@ class Trainer:
             try:
                 built[name] = metrics.metric_from_spec({"name": name, **args})
             except (KeyError, ValueError, TypeError) as err:
-                raise ConfigError.single(f"metrics.{name}", str(err), "see functrain.metrics.available_metrics()") from err
+                raise ConfigError.single(
+                    f"metrics.{name}", str(err), "see functrain.metrics.available_metrics()"
+                ) from err
         return metrics.Collection(built)
 
     def _frozen_names(self) -> set[str]:
@@ -393,21 +442,36 @@ class Trainer:
         try:
             n = len(self.train_dataset)
         except TypeError:
-            raise ConfigError.single("epochs", "the train dataset has no length, so epochs cannot be counted", "set max_steps instead") from None
-        per_epoch = data.num_batches(n, cfg.batch_size * cfg.gradient_accumulation_steps, cfg.drop_last, _world_size())
+            raise ConfigError.single(
+                "epochs",
+                "the train dataset has no length, so epochs cannot be counted",
+                "set max_steps instead",
+            ) from None
+        per_epoch = data.num_batches(
+            n, cfg.batch_size * cfg.gradient_accumulation_steps, cfg.drop_last, _world_size()
+        )
         return per_epoch * cfg.epochs
 
     def _initial_state(self) -> TrainState:
         cfg = self.config
         state = TrainState.create(
-            self.model, self.tx, seed=cfg.seed, device=self.device,
+            self.model,
+            self.tx,
+            seed=cfg.seed,
+            device=self.device,
             loss_scale=LossScale.create() if cfg.mixed_precision == "fp16" else None,
         )
         if cfg.init_weights_from:
-            state, report = checkpoint.init_weights_from(cfg.init_weights_from, state, tied_parameters=dict(state.tied))
+            state, report = checkpoint.init_weights_from(
+                cfg.init_weights_from, state, tied_parameters=dict(state.tied)
+            )
             self.init_report = report
             if not report.loaded:
-                raise ConfigError.single("init_weights_from", f"no weight of {cfg.init_weights_from} matches the model by name and shape", "check the file and the model")
+                raise ConfigError.single(
+                    "init_weights_from",
+                    f"no weight of {cfg.init_weights_from} matches the model by name and shape",
+                    "check the file and the model",
+                )
         return state
 
     def _loss_for_training(self, model: Callable[..., Any], batch: Any) -> Any:
@@ -430,7 +494,10 @@ class Trainer:
         if kind not in self._jitted:
             cfg = self.config
             self._jitted[kind] = jit(
-                fn, compile=cfg.compile, mode=cfg.compile_mode, donate=cfg.donate and kind == "train",
+                fn,
+                compile=cfg.compile,
+                mode=cfg.compile_mode,
+                donate=cfg.donate and kind == "train",
                 dynamic=None if kind != "train" else False,
             )
             # the loop finds these on the step (a bound method carries no attributes of its own)
@@ -448,7 +515,8 @@ class Trainer:
 
         rank, world = _rank(), _world_size()
         return data.Loader(
-            dataset, batch_size,
+            dataset,
+            batch_size,
             shuffle=cfg.shuffle if train else False,
             key=random.fold_in(self.state.rng, 0xDA7A) if train else None,
             drop_last=cfg.drop_last if train else False,
@@ -469,7 +537,14 @@ class Trainer:
         out: list[cbs.Callback] = [cbs.LearningRateMonitor(), cbs.Timer(), cbs.Preemption()]
         if cfg.early_stopping is not None:
             es = cfg.early_stopping
-            out.append(cbs.EarlyStopping(f"eval/{es.monitor}", mode=es.resolved_mode or "min", patience=es.patience, min_delta=es.min_delta))
+            out.append(
+                cbs.EarlyStopping(
+                    f"eval/{es.monitor}",
+                    mode=es.resolved_mode or "min",
+                    patience=es.patience,
+                    min_delta=es.min_delta,
+                )
+            )
         if cfg.print_steps:
             out.append(cbs.PrintMetrics(every=cfg.print_steps))
         return out + self.extra_callbacks
@@ -489,7 +564,12 @@ class Trainer:
 
     def _check_output_dir(self, out: Path) -> None:
         cfg = self.config
-        if not out.exists() or not any(out.iterdir()) or cfg.overwrite_output_dir or cfg.resume_from_checkpoint:
+        if (
+            not out.exists()
+            or not any(out.iterdir())
+            or cfg.overwrite_output_dir
+            or cfg.resume_from_checkpoint
+        ):
             if cfg.overwrite_output_dir and out.exists() and not cfg.resume_from_checkpoint:
                 import shutil
 
@@ -509,14 +589,17 @@ class Trainer:
             return True
         path = Path(r)
         if not path.exists():
-            raise ConfigError.single("resume_from_checkpoint", f"no checkpoint at {r}", "give an existing checkpoint file or true")
+            raise ConfigError.single(
+                "resume_from_checkpoint", f"no checkpoint at {r}", "give an existing checkpoint file or true"
+            )
         return os.fspath(path)
 
     @staticmethod
-    def _onto(target: Mapping[str, torch.Tensor], saved: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _onto(
+        target: Mapping[str, torch.Tensor], saved: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
         return {k: saved[k].to(v.device) for k, v in target.items()}
 
 
 _rank = distributed.rank
 _world_size = distributed.world_size
-

@@ -145,7 +145,9 @@ def is_struct(obj: Any) -> bool:
 # --------------------------------------------------------------------------------------------- optree
 
 
-def map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree, is_leaf: Callable[[Any], bool] | None = None) -> PyTree:  # noqa: A001
+def map(
+    fn: Callable[..., Any], tree: PyTree, *rest: PyTree, is_leaf: Callable[[Any], bool] | None = None
+) -> PyTree:
     """``optree.tree_map`` in functrain's namespace (``None`` is an empty subtree, not a leaf).
 
     Example:

@@ -14,8 +14,12 @@ SCRIPTS = sorted(p.name for p in EXAMPLES.glob("*.py") if p.name[0].isdigit())
 
 
 def small_env(tmp_path: Path) -> dict[str, str]:
-    return {**os.environ, "FUNCTRAIN_SMALL": "1", "FUNCTRAIN_OUT": str(tmp_path / "out"),
-            "FUNCTRAIN_PLOT": str(tmp_path / "curves.png")}
+    return {
+        **os.environ,
+        "FUNCTRAIN_SMALL": "1",
+        "FUNCTRAIN_OUT": str(tmp_path / "out"),
+        "FUNCTRAIN_PLOT": str(tmp_path / "curves.png"),
+    }
 
 
 def test_every_example_is_listed():
@@ -28,7 +32,9 @@ def test_example_runs(script: str, tmp_path: Path):
     args = [sys.executable, str(EXAMPLES / script)]
     if script == "02_fit.py":
         args.append(str(tmp_path / "fit_run"))
-    out = subprocess.run(args, cwd=tmp_path, env=small_env(tmp_path), capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        args, cwd=tmp_path, env=small_env(tmp_path), capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     if script == "02_fit.py":
         assert (tmp_path / "fit_run" / "curves.png").stat().st_size > 1000
@@ -42,7 +48,9 @@ def test_notebook_executes_headless(tmp_path: Path, monkeypatch):
     for key, value in small_env(tmp_path).items():
         monkeypatch.setenv(key, value)
     nb = nbformat.read(EXAMPLES / "train_digits.ipynb", as_version=4)
-    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
     assert (tmp_path / "curves.png").stat().st_size > 1000
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]

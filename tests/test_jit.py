@@ -90,15 +90,21 @@ def test_mlp_one_compile_schedule_and_hand_set_hyperparameter_pure():
     a, ma = compiled(state, batch)
     b, mb = compiled(state, batch)
     assert all(torch.equal(x, y) for x, y in zip(before, _leaves(state)))
-    assert all(torch.equal(x, y) for x, y in zip(_leaves(a), _leaves(b))) and torch.equal(ma["loss"], mb["loss"])
+    assert all(torch.equal(x, y) for x, y in zip(_leaves(a), _leaves(b))) and torch.equal(
+        ma["loss"], mb["loss"]
+    )
 
     # 100 steps with the schedule running and the LR multiplier changed by hand mid-way
     c_state, e_state = state, state
     c_losses, e_losses = [], []
     for i in range(100):
         if i == 50:
-            c_state = c_state.replace(opt_state=ft.optim.set_hyperparams(c_state.opt_state, learning_rate_scale=0.5))
-            e_state = e_state.replace(opt_state=ft.optim.set_hyperparams(e_state.opt_state, learning_rate_scale=0.5))
+            c_state = c_state.replace(
+                opt_state=ft.optim.set_hyperparams(c_state.opt_state, learning_rate_scale=0.5)
+            )
+            e_state = e_state.replace(
+                opt_state=ft.optim.set_hyperparams(e_state.opt_state, learning_rate_scale=0.5)
+            )
         c_state, cm = compiled(c_state, batch)
         e_state, em = eager(e_state, batch)
         c_losses.append(cm["loss"])
@@ -116,10 +122,15 @@ def test_compiled_matches_eager_trajectory(which):
     g = torch.Generator().manual_seed(1)
     if which == "cnn":
         model = SmallCNN(dropout=0.2)
-        batches = [(torch.randn(16, 1, 8, 8, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(5)]
+        batches = [
+            (torch.randn(16, 1, 8, 8, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(5)
+        ]
     else:
         model = TinyTransformer(dropout=0.1)
-        batches = [(torch.randint(0, 11, (8, 6), generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(5)]
+        batches = [
+            (torch.randint(0, 11, (8, 6), generator=g), torch.randint(0, 3, (8,), generator=g))
+            for _ in range(5)
+        ]
     state = ft.TrainState.create(model, ft.optim.adam(3e-3), seed=0)
     step_fn = ft.make_train_step(model, ft.supervised_loss(F.cross_entropy))
     compiled = ft.jit(step_fn, options=SAME_RANDOM)

@@ -42,7 +42,9 @@ def assert_bitwise_equal(a, b) -> None:
     for path, x, y in zip(paths, la, lb):
         if isinstance(x, torch.Tensor):
             assert x.dtype == y.dtype and x.shape == y.shape, path
-            assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), f"differs at {path}"
+            assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), (
+                f"differs at {path}"
+            )
         else:
             assert x == y, f"differs at {path}: {x!r} != {y!r}"
 

@@ -17,7 +17,9 @@ def _snapshot(state):
 
 def _bitwise_equal(a, b) -> bool:
     return len(a) == len(b) and all(
-        x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.view(-1).view(torch.uint8), y.view(-1).view(torch.uint8))
+        x.dtype == y.dtype
+        and x.shape == y.shape
+        and torch.equal(x.view(-1).view(torch.uint8), y.view(-1).view(torch.uint8))
         if x.numel()
         else x.shape == y.shape
         for x, y in zip(a, b)
@@ -138,7 +140,7 @@ def test_fp16_overflow_skips_update_and_halves_scale():
         return loss * torch.tensor(float("inf")) if inject["on"] else loss
 
     step = ft.make_train_step(model, loss_fn, precision="fp16")
-    s1, m = step(state, classification_batch())
+    s1, _ = step(state, classification_batch())
     assert float(s1.loss_scale.scale) == 2.0**7 and int(s1.loss_scale.skipped) == 1
     for k in state.params:
         assert torch.equal(s1.params[k], state.params[k])
@@ -154,7 +156,9 @@ def test_fp16_without_loss_scale_is_an_error():
     model = mlp()
     state = ft.TrainState.create(model, ft.optim.sgd(0.1))
     with pytest.raises(ValueError, match="loss_scale"):
-        ft.make_train_step(model, ft.supervised_loss(F.cross_entropy), precision="fp16")(state, classification_batch())
+        ft.make_train_step(model, ft.supervised_loss(F.cross_entropy), precision="fp16")(
+            state, classification_batch()
+        )
 
 
 def test_bf16_autocast_runs_on_cpu():

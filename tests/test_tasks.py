@@ -18,8 +18,15 @@ def images(n=32, classes=2, seed=0):
 
 
 def config(tmp_path, **kw):
-    fields = dict(output_dir=str(tmp_path / "run"), epochs=3, batch_size=8, compile=False, progress_bar=False,
-                  device="cpu", optimizer={"name": "adam", "lr": 1e-2})
+    fields = dict(
+        output_dir=str(tmp_path / "run"),
+        epochs=3,
+        batch_size=8,
+        compile=False,
+        progress_bar=False,
+        device="cpu",
+        optimizer={"name": "adam", "lr": 1e-2},
+    )
     return ft.TrainerConfig(**{**fields, **kw})
 
 
@@ -35,16 +42,29 @@ def test_hflip_and_translate_are_seeded_and_joint():
     torch.manual_seed(0)
     every, _ = random_hflip(x, mask, p=1.0)
     assert torch.equal(every, x.flip(-1))
-    assert torch.equal(random_translate(x, 0.0), torch.nn.functional.grid_sample(
-        x, torch.nn.functional.affine_grid(torch.eye(2, 3).repeat(6, 1, 1), [6, 1, 4, 4], align_corners=False),
-        align_corners=False))
+    assert torch.equal(
+        random_translate(x, 0.0),
+        torch.nn.functional.grid_sample(
+            x,
+            torch.nn.functional.affine_grid(
+                torch.eye(2, 3).repeat(6, 1, 1), [6, 1, 4, 4], align_corners=False
+            ),
+            align_corners=False,
+        ),
+    )
 
 
 def test_image_classification_trainer_learns(tmp_path):
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 2))
     trainer = ImageClassificationTrainer(
-        model, config(tmp_path, metrics={"accuracy": {}}), images(), images(16, seed=1),
-        mean=(0.5,), std=(0.5,), augmentations=("translate",), max_shift=0.05,
+        model,
+        config(tmp_path, metrics={"accuracy": {}}),
+        images(),
+        images(16, seed=1),
+        mean=(0.5,),
+        std=(0.5,),
+        augmentations=("translate",),
+        max_shift=0.05,
     )
     trainer.train()
     assert trainer.evaluate()["eval/accuracy"] >= 0.9
@@ -55,8 +75,14 @@ def test_segmentation_trainer_pixel_accuracy_and_iou(tmp_path):
     masks = (x[:, 0] > 0.5).long()  # segment the bright half
     ds = torch.utils.data.TensorDataset(x, masks)
     model = nn.Conv2d(1, 2, 3, padding=1)
-    cfg = config(tmp_path, epochs=5, metrics={
-        "Accuracy": {"task": "multiclass", "num_classes": 2}, "JaccardIndex": {"task": "multiclass", "num_classes": 2}})
+    cfg = config(
+        tmp_path,
+        epochs=5,
+        metrics={
+            "Accuracy": {"task": "multiclass", "num_classes": 2},
+            "JaccardIndex": {"task": "multiclass", "num_classes": 2},
+        },
+    )
     trainer = SegmentationTrainer(model, cfg, ds, ds)
     trainer.train()
     results = trainer.evaluate()

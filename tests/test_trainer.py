@@ -58,7 +58,12 @@ def test_trainer_runs_and_writes_a_run_directory(tmp_path: Path):
     preds = trainer.predict(make_dataset(10, seed=2))
     assert preds.shape == (10, 3)
     trainer.save(tmp_path / "model.ckpt")
-    fresh = ft.Trainer(SmallNet(), small_config(tmp_path, output_dir=str(tmp_path / "other")), make_dataset(96), make_dataset(40))
+    fresh = ft.Trainer(
+        SmallNet(),
+        small_config(tmp_path, output_dir=str(tmp_path / "other")),
+        make_dataset(96),
+        make_dataset(40),
+    )
     fresh.load(tmp_path / "model.ckpt")
     for k in trainer.state.params:
         assert torch.equal(fresh.state.params[k], trainer.state.params[k])
@@ -86,8 +91,12 @@ def test_freeze_and_init_weights_from(tmp_path: Path):
     # a new head (4 classes): body weights load, the head stays at its initial value and body is frozen
     model = SmallNet(classes=4)
     cfg = small_config(
-        tmp_path, output_dir=str(tmp_path / "finetune"), metrics=["accuracy"], epochs=1,
-        init_weights_from=str(tmp_path / "pretrained.ckpt"), freeze={"patterns": ["body.*"]},
+        tmp_path,
+        output_dir=str(tmp_path / "finetune"),
+        metrics=["accuracy"],
+        epochs=1,
+        init_weights_from=str(tmp_path / "pretrained.ckpt"),
+        freeze={"patterns": ["body.*"]},
     )
     ds = torch.utils.data.TensorDataset(make_dataset(64).tensors[0], make_dataset(64).tensors[1] % 4)
     tuned = ft.Trainer(model, cfg, ds, ds)
@@ -124,7 +133,9 @@ def test_subclass_extension_points_compile_into_the_step(tmp_path: Path):
             return x + 0.01 * torch.randn_like(x), y
 
     rec = Recorder()
-    trainer = Custom(SmallNet(), small_config(tmp_path, epochs=2), make_dataset(32), make_dataset(16), callbacks=[rec])
+    trainer = Custom(
+        SmallNet(), small_config(tmp_path, epochs=2), make_dataset(32), make_dataset(16), callbacks=[rec]
+    )
     trainer.train()
     assert calls["augment"] > 0 and calls["preprocess"] > calls["augment"]
     assert rec.events == [("epoch_end", 0), ("epoch_end", 1)]
@@ -137,7 +148,9 @@ def test_trainer_killed_and_resumed_is_bit_identical(tmp_path: Path):
     out = subprocess.run([*job, str(full)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     killed = tmp_path / "killed"
-    proc = subprocess.Popen([*job, str(killed), "--sleep", "0.1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [*job, str(killed), "--sleep", "0.1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     deadline = time.time() + 300
     manager = None
     while time.time() < deadline and proc.poll() is None:
@@ -156,7 +169,9 @@ def test_trainer_killed_and_resumed_is_bit_identical(tmp_path: Path):
     a = checkpoint.restore(full / "final.ckpt")
     b = checkpoint.restore(killed / "final.ckpt")
     la, lb = tree.leaves(a), tree.leaves(b)
-    assert len(la) == len(lb) and all(torch.equal(x, y) for x, y in zip(la, lb) if isinstance(x, torch.Tensor))
+    assert len(la) == len(lb) and all(
+        torch.equal(x, y) for x, y in zip(la, lb) if isinstance(x, torch.Tensor)
+    )
     lines = lambda run: [json.loads(s) for s in (run / "logs" / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
     strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith(("time/", "memory/"))} for r in rs]  # noqa: E731
     assert strip(lines(full)) == strip(lines(killed))
@@ -240,9 +255,22 @@ def test_cli_under_torchrun_two_processes(tmp_path: Path):
     path = write_config(tmp_path, epochs=2, batch_size=8)
     env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
-         "-m", "functrain", "train", str(path)],
-        capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            f"--master_port={port}",
+            "-m",
+            "functrain",
+            "train",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=tmp_path,
     )
     assert out.returncode == 0, out.stderr[-4000:]
     summaries = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
@@ -257,13 +285,19 @@ def test_every_config_field_is_consumed():
     import dataclasses
     import re
 
-    sources = "".join((HERE.parent / "functrain" / f).read_text() for f in ("trainer.py", "cli.py", "demo.py"))
+    sources = "".join(
+        (HERE.parent / "functrain" / f).read_text() for f in ("trainer.py", "cli.py", "demo.py")
+    )
 
     def fields(cls, prefix=""):
         for f in dataclasses.fields(cls):
             yield prefix + f.name
             sub = getattr(cls, "__dataclass_fields__", {}).get(f.name)
-            default = sub.default_factory() if sub and sub.default_factory is not dataclasses.MISSING else sub.default
+            default = (
+                sub.default_factory()
+                if sub and sub.default_factory is not dataclasses.MISSING
+                else sub.default
+            )
             if dataclasses.is_dataclass(default):
                 yield from fields(type(default), prefix + f.name + ".")
 

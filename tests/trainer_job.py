@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import functrain as ft  # noqa: E402
-from trainer_fixtures import SmallNet, make_dataset  # noqa: E402
+from trainer_fixtures import SmallNet, make_dataset
+
+import functrain as ft
 
 
 class Slow(ft.callbacks.Callback):
@@ -51,7 +52,9 @@ def main() -> int:
         resume_from_checkpoint=args.resume,
     )
     torch.manual_seed(0)
-    trainer = ft.Trainer(SmallNet(), config, make_dataset(120), make_dataset(40, seed=1), callbacks=[Slow(args.sleep)])
+    trainer = ft.Trainer(
+        SmallNet(), config, make_dataset(120), make_dataset(40, seed=1), callbacks=[Slow(args.sleep)]
+    )
     result = trainer.train()
     trainer.save(Path(args.output_dir) / "final.ckpt")
     print(f"DONE {int(result.state.step)}", flush=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import resource
 import sys
@@ -66,10 +67,8 @@ class Timer(Callback):
 
     def on_step_end(self, state: Any, ctx: Context) -> Any:
         self._steps += 1
-        try:
+        with contextlib.suppress(TypeError, ValueError):  # a batch without tensors: count steps only
             self._samples += num_examples(ctx.batch)
-        except (TypeError, ValueError):
-            pass
         if _is_log_step(ctx):
             now = time.perf_counter()
             dt = max(now - self._t0, 1e-9)
@@ -139,7 +138,9 @@ class NonFiniteGuard(Callback):
             raise NonFiniteLossError(message + "; lower the learning rate, clip gradients or check the data")
         if self.action == "skip":
             if ctx.previous_state is None:
-                raise NonFiniteLossError(message + "; action='skip' cannot undo a donating step (donate=False)")
+                raise NonFiniteLossError(
+                    message + "; action='skip' cannot undo a donating step (donate=False)"
+                )
             return ctx.previous_state.replace(step=state.step)
         ctx.control.stop(message)
         return ctx.previous_state if ctx.previous_state is not None else state

@@ -32,7 +32,9 @@ class ProgressBar(Callback):
     def on_train_begin(self, state: Any, ctx: Context) -> Any:
         from tqdm.auto import tqdm
 
-        self._bar = tqdm(total=ctx.max_steps, initial=ctx.step, leave=self.leave, unit="step", dynamic_ncols=True)
+        self._bar = tqdm(
+            total=ctx.max_steps, initial=ctx.step, leave=self.leave, unit="step", dynamic_ncols=True
+        )
         return state
 
     def on_step_end(self, state: Any, ctx: Context) -> Any:

@@ -26,7 +26,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):  # noqa: ANN202
+def __getattr__(name: str):
     if name in _LAZY:
         import importlib
 
@@ -34,6 +34,7 @@ def __getattr__(name: str):  # noqa: ANN202
         globals()[name] = value
         return value
     raise AttributeError(f"module 'functrain.metrics' has no attribute {name!r}")
+
 
 __all__ = [
     "INPUT_NAMES",
