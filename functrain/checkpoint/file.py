@@ -50,6 +50,31 @@ def save(
         >>> save("run/final.ckpt", state, step=1000, metrics={"loss": 0.25})  # doctest: +SKIP
     """
     node, tensors = structure.encode(state)
+    write_encoded(
+        path,
+        node,
+        tensors,
+        step=step,
+        metrics=metrics,
+        metadata=metadata,
+        fsync=fsync,
+        chunk_bytes=chunk_bytes,
+    )
+
+
+def write_encoded(
+    path: PathLike,
+    node: Any,
+    tensors: list[Any],
+    *,
+    step: int | None,
+    metrics: Mapping[str, Any] | None,
+    metadata: Mapping[str, Any] | None,
+    fsync: bool,
+    chunk_bytes: int,
+) -> None:
+    """Atomically write a tree already split by ``structure.encode`` (the manager encodes before it
+    copies tensors off the device for an asynchronous save)."""
     try:
         with atomic_write(path, fsync=fsync) as file:
             fmt.write(

@@ -29,7 +29,7 @@ import torch
 from functrain.checkpoint import file as checkpoint_file
 from functrain.checkpoint import format as fmt
 from functrain.checkpoint import structure
-from functrain.checkpoint.atomic import atomic_write, fsync_directory, is_temporary
+from functrain.checkpoint.atomic import fsync_directory, is_temporary
 from functrain.checkpoint.errors import CheckpointError
 from functrain.checkpoint.format import CheckpointHeader
 
@@ -237,20 +237,16 @@ class CheckpointManager:
             self._failure = error
 
     def _write(self, step: int, node: Any, tensors: list[Any], metrics: Any, metadata: Any) -> None:
-        path = self.path(step)
-        try:
-            with atomic_write(path, fsync=self.fsync) as file:
-                fmt.write(
-                    file,
-                    tree_node=node,
-                    tensors=tensors,
-                    step=step,
-                    metrics=metrics,
-                    metadata=metadata,
-                    chunk_bytes=self.chunk_bytes,
-                )
-        except OSError as error:
-            raise CheckpointError(f"{path}: could not write the checkpoint: {error}") from error
+        checkpoint_file.write_encoded(
+            self.path(step),
+            node,
+            tensors,
+            step=step,
+            metrics=metrics,
+            metadata=metadata,
+            fsync=self.fsync,
+            chunk_bytes=self.chunk_bytes,
+        )
         self._apply_retention()
 
     def _apply_retention(self) -> None:
