@@ -119,17 +119,18 @@ def child(workload_name: str, variant: str, steps: int, jit_kwargs: dict | None)
     first_s = time.perf_counter() - t0
     for _ in range(2):
         fn()
+    # VmHWM, not getrusage's ru_maxrss: that one survives fork+exec and reports the parent's peak.
+    startup_peak = common.peak_rss_mb()
     resettable = common.reset_peak_rss()
     t0 = time.perf_counter()
     for _ in range(steps):
         fn()
     step_s = (time.perf_counter() - t0) / steps
     steady_peak = common.peak_rss_mb() if resettable else float("nan")
-    import resource
 
     return {
         "compile_s": first_s - step_s,
-        "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "max_rss_mb": max(startup_peak, common.peak_rss_mb()),
         "steady_peak_mb": steady_peak - base_rss,
         "base_rss_mb": base_rss,
     }
