@@ -102,11 +102,18 @@ WORKLOADS: dict[str, Workload] = {
         Workload("mlp", "MLP 512-512-512-10, batch 256", MLP, _mlp_batch),
         Workload("cnn", "CNN (2 conv+BatchNorm, dropout), 1x28x28, batch 128", CNN, _cnn_batch),
         Workload(
-            "transformer", "2-layer transformer, d_model 128, seq 64, dropout 0.1, batch 32", Transformer,
+            "transformer",
+            "2-layer transformer, d_model 128, seq 64, dropout 0.1, batch 32",
+            Transformer,
             _transformer_batch,
         ),
         # Memory only: large enough (25.2M params) that params/grads/Adam moments dominate the process.
-        Workload("mlp-25m", "MLP 2048 wide, 7 layers (25.2M params), batch 256", lambda: MLP(2048, 7), _mlp_big_batch),
+        Workload(
+            "mlp-25m",
+            "MLP 2048 wide, 7 layers (25.2M params), batch 256",
+            lambda: MLP(2048, 7),
+            _mlp_big_batch,
+        ),
     )
 }
 

@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import io
 import logging
-import os
 import sys
 import tempfile
 import time
@@ -38,9 +37,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as common  # noqa: E402
+import _common as common
 
-import functrain as ft  # noqa: E402
+import functrain as ft
 
 LOG_EVERY = 50
 
@@ -186,8 +185,11 @@ def main() -> None:
             t0 = time.perf_counter()
             fns[n]()
             times[n].append((time.perf_counter() - t0) * 1e3 / args.steps)
-        print(f"repeat {r + 1}/{args.repeats}: "
-              + ", ".join(f"{n} {times[n][-1]:.2f}" for n in names), file=sys.stderr, flush=True)
+        print(
+            f"repeat {r + 1}/{args.repeats}: " + ", ".join(f"{n} {times[n][-1]:.2f}" for n in names),
+            file=sys.stderr,
+            flush=True,
+        )
 
     # Overhead per repeat (paired: variant and its bare loop ran back to back), then the median.
     bare_of = {"ft-fit": "ft-bare", "lightning": "torch-bare"}

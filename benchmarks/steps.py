@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as common  # noqa: E402
+import _common as common
 
-import functrain as ft  # noqa: E402
+import functrain as ft
 
 VARIANTS = ("eager-foreach", "eager-fused", "compile-fused", "ft-jit", "ft-donate")
 BASELINES = ("eager-foreach", "eager-fused", "compile-fused")
@@ -148,15 +148,20 @@ def run_child(workload: str, variant: str, cache_dir: str, steps: int, jit_kwarg
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def measure_children(workload: str, variants: list[str], steps: int, jit_kwargs: dict | None) -> dict[str, dict]:
+def measure_children(
+    workload: str, variants: list[str], steps: int, jit_kwargs: dict | None
+) -> dict[str, dict]:
     results = {}
     for v in variants:
         with tempfile.TemporaryDirectory(prefix="functrain-inductor-") as cache:
             cold = run_child(workload, v, cache, steps, jit_kwargs)
             warm = run_child(workload, v, cache, steps, jit_kwargs)
         results[v] = {"cold": cold, "warm": warm}
-        print(f"  {workload}/{v}: compile cold {cold['compile_s']:.1f}s warm {warm['compile_s']:.1f}s, "
-              f"max RSS {warm['max_rss_mb']:.0f} MB, steady peak {warm['steady_peak_mb']:.0f} MB", flush=True)
+        print(
+            f"  {workload}/{v}: compile cold {cold['compile_s']:.1f}s warm {warm['compile_s']:.1f}s, "
+            f"max RSS {warm['max_rss_mb']:.0f} MB, steady peak {warm['steady_peak_mb']:.0f} MB",
+            flush=True,
+        )
     return results
 
 
@@ -179,9 +184,9 @@ def timing_table(workload: common.Workload, times: dict[str, list[float]], child
         if children and v in children:
             c = children[v]
             comp = v in COMPILED
-            row += (
-                f" {c['cold']['compile_s']:.1f} |" if comp else " - |"
-            ) + (f" {c['warm']['compile_s']:.1f} |" if comp else " - |")
+            row += (f" {c['cold']['compile_s']:.1f} |" if comp else " - |") + (
+                f" {c['warm']['compile_s']:.1f} |" if comp else " - |"
+            )
             row += f" {c['warm']['max_rss_mb']:.0f} | {c['warm']['steady_peak_mb']:.0f} |"
         rows.append(row)
     return "\n".join(rows)
@@ -229,8 +234,10 @@ def main() -> None:
     sections = []
     for name in args.workloads:
         workload = common.WORKLOADS[name]
-        print(f"{name}: timing {args.repeats} x {args.steps} steps per variant (load {common.load_average()})",
-              flush=True)
+        print(
+            f"{name}: timing {args.repeats} x {args.steps} steps per variant (load {common.load_average()})",
+            flush=True,
+        )
         times = time_workload(workload, args.variants, args.repeats, args.steps, jit_kwargs)
         children = None if args.no_children else measure_children(name, args.variants, args.steps, jit_kwargs)
         table = timing_table(workload, times, children)

@@ -153,7 +153,9 @@ class CompiledStep:
             if not self._warned:
                 warnings.warn(msg, stacklevel=2)
                 self._warned = True
-        return compile_fx(gm, example_inputs, config_patches=_with_cpu_defaults(config, example_inputs) or None)
+        return compile_fx(
+            gm, example_inputs, config_patches=_with_cpu_defaults(config, example_inputs) or None
+        )
 
     def _last_guard_failure(self) -> str:
         from torch._dynamo.utils import guard_failures
@@ -165,12 +167,11 @@ class CompiledStep:
         return " ".join(str(reasons[-1]).split())[:500]
 
     def __call__(self, state: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.donate:
-            if state in self._donated:
-                raise DonatedStateError(
-                    f"{self.__name__}: this state was donated to an earlier call, which wrote its results "
-                    "into the state's tensors; use the state that call returned (or jit(..., donate=False))"
-                )
+        if self.donate and state in self._donated:
+            raise DonatedStateError(
+                f"{self.__name__}: this state was donated to an earlier call, which wrote its results "
+                "into the state's tensors; use the state that call returned (or jit(..., donate=False))"
+            )
         if self.seed and hasattr(state, "rng"):
             rank = self.rank if self.rank is not None else _default_rank()
             _seed_generators(random.step_seed(state.rng, state.step, rank), _device_of(state))
