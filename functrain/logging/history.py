@@ -127,7 +127,11 @@ class History:
             ({'lr': 0.1}, {'loss': 0.4})
         """
         self.flush()
-        return {n: vals[-1] for n, vals in self._values.items() if self._steps[n] and self._steps[n][-1] == step}
+        return {
+            n: self._values[n][-1]
+            for n in sorted(self._values)
+            if self._steps[n] and self._steps[n][-1] == step
+        }
 
     def as_dict(self) -> dict[str, dict[str, list[Any]]]:
         """``{name: {"steps": [int], "values": [float]}}``: plain data for checkpoints (msgpack, JSON)."""
