@@ -146,16 +146,6 @@ class CheckpointHeader:
 
 # --------------------------------------------------------------------------------------------- write
 
-_HASHER: ThreadPoolExecutor | None = None
-
-
-def _hasher() -> ThreadPoolExecutor:
-    """One worker thread that computes CRCs while the calling thread does file I/O."""
-    global _HASHER
-    if _HASHER is None:
-        _HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="functrain-checkpoint-crc")
-    return _HASHER
-
 
 def _plain_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous CPU tensor, conjugate and negative bits resolved."""
@@ -291,11 +281,12 @@ def write(
     for (_path, t), row in zip(tensors, table):
         written = 0
         for chunk in _byte_chunks(t, chunk_bytes):
-            # zlib.crc32 and file.write both release the GIL: hashing beside the write hides its cost.
-            crc = _hasher().submit(zlib.crc32, chunk)
+            # Hashing in the calling thread, chunk by chunk while it is in cache: measured here, a worker
+            # thread hashing beside the write was 3x slower than doing both in turn (1 GiB: 4.4 s vs 1.4 s).
+            crc = zlib.crc32(chunk)
             file.write(_ITEM.pack(_BIN32, len(chunk)))
             file.write(chunk)
-            file.write(_ITEM.pack(_UINT32, crc.result()))
+            file.write(_ITEM.pack(_UINT32, crc))
             written += len(chunk)
         if written != row[3]:  # a tensor changed under us (another thread wrote into it)
             raise CheckpointError(f"{row[0]}: wrote {written} bytes where the tensor has {row[3]}")
@@ -450,6 +441,17 @@ def _empty(info: TensorInfo) -> torch.Tensor:
         return torch.empty(info.shape, dtype=info.dtype)
 
 
+_HASHER: ThreadPoolExecutor | None = None
+
+
+def _hasher() -> ThreadPoolExecutor:
+    """One worker thread that computes read chunks' CRCs while the calling thread reads the next one."""
+    global _HASHER
+    if _HASHER is None:
+        _HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="functrain-checkpoint-crc")
+    return _HASHER
+
+
 def _check_crc(pending: tuple[str, int, Future[int]] | None, name: str) -> None:
     if pending is not None:
         where, stored, computed = pending
@@ -483,7 +485,7 @@ def read_tensors(
             continue
         result = _empty(info)
         view = memoryview(result.reshape(-1).view(torch.uint8).numpy()) if info.nbytes else memoryview(b"")
-        pending: tuple[str, int, Future[int]] | None = None  # the previous chunk, hashed while we read
+        pending: tuple[str, int, Future[int]] | None = None
         for chunk in range(chunks):
             where = f"tensor {info.path} chunk {chunk + 1}/{chunks}"
             start = chunk * chunk_bytes
@@ -497,6 +499,7 @@ def read_tensors(
                 raise CheckpointError(f"{name}: file is truncated in {where}")
             crc = _read_item(file, _UINT32, name, f"checksum of {where}")
             _check_crc(pending, name)
+            # Reading, unlike writing, gains from hashing chunk i in a worker while chunk i + 1 is read.
             pending = (where, crc, _hasher().submit(zlib.crc32, target))
         _check_crc(pending, name)
         yield index, result
