@@ -23,7 +23,9 @@ class StandInState:
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
-    return bytes(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    flat = t.detach().reshape(-1)
+    flat = flat.new_empty(flat.shape).copy_(flat)  # standard strides (a one-element view may keep odd ones)
+    return bytes(flat.view(torch.uint8).numpy())
 
 
 def assert_bit_equal(got: Any, expected: Any, path: str = "") -> None:

@@ -1,18 +1,21 @@
-"""The checkpoint file format: a msgpack stream written and read in chunks, checked by CRC-32.
+"""The checkpoint file format: a msgpack stream written and read in chunks, each checksummed.
 
 Layout (every item is a msgpack item, so the file is a valid msgpack stream)::
 
     str  "functrain-checkpoint"                      magic
     bin  msgpack(header)   uint32 crc32(header)      header, readable on its own
     for each tensor, for each chunk of its bytes:
-    bin  chunk             uint32 crc32(chunk)       at most ``chunk_bytes`` (< 4 GiB) per item
+    bin  chunk             uint32 checksum(chunk)    at most ``chunk_bytes`` (< 4 GiB) per item
     str  "end"                                       end marker; nothing may follow
 
 The header holds the format version, functrain and torch versions, step, metrics, metadata, the tree's
 structure (see :mod:`functrain.checkpoint.structure`) and a tensor table of ``[path, dtype, shape,
 nbytes]``. Because the chunk size is in the header, the reader knows the exact file size before it reads
 or allocates any tensor: truncation and absurd declared sizes are refused up front, and a corrupted byte
-anywhere is caught by a CRC or a length check.
+anywhere is caught by a checksum or a length check. Chunks are checked with the low 32 bits of xxh3-64
+(``"checksum": "xxh3_64_low32"`` in the header; ~0.09 s per GiB here, against 0.3-0.4 s for zlib's CRC-32,
+which is the cost that made loading slower than ``torch.load``); files whose header names ``"crc32"``
+are read too. The header itself is checked with CRC-32.
 
 Tensor bytes go to the file straight from the tensor's memory and come back with ``readinto`` straight
 into the new tensor's memory: no bytes object the size of a tensor, let alone of the checkpoint, is made.
@@ -65,6 +68,16 @@ __all__ = [
 MAGIC = b"\xb4functrain-checkpoint"  # msgpack fixstr of 20 characters
 END = b"\xa3end"
 FORMAT_VERSION = 1
+CHECKSUM = "xxh3_64_low32"
+
+
+def _xxh3_low32(data: Any) -> int:
+    import xxhash
+
+    return xxhash.xxh3_64_intdigest(data) & 0xFFFFFFFF
+
+
+_CHECKSUMS: dict[str, Any] = {"crc32": zlib.crc32, "xxh3_64_low32": _xxh3_low32}
 DEFAULT_CHUNK_BYTES = 64 << 20
 MAX_CHUNK_BYTES = (1 << 32) - 1  # a msgpack bin32 length
 MAX_HEADER_BYTES = 1 << 30
@@ -137,6 +150,7 @@ class CheckpointHeader:
     tensors: list[TensorInfo]
     tree: Any
     data_offset: int  # where the first chunk starts in the file
+    checksum: str = "crc32"  # the chunks' checksum, a key of _CHECKSUMS
 
     @property
     def num_bytes(self) -> int:
@@ -149,7 +163,10 @@ class CheckpointHeader:
 
 def _plain_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous CPU tensor, conjugate and negative bits resolved."""
-    return t.detach().resolve_conj().resolve_neg().reshape(-1).view(torch.uint8)
+    flat = t.detach().resolve_conj().resolve_neg().reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:  # a one-element view keeps its odd stride: still contiguous
+        flat = flat.new_empty(flat.shape).copy_(flat)
+    return flat.view(torch.uint8)
 
 
 def _contiguous_pieces(t: torch.Tensor, max_bytes: int) -> Iterator[torch.Tensor]:
@@ -269,6 +286,7 @@ def write(
         "metrics": _json_like(dict(metrics or {}), "metrics"),
         "metadata": _json_like(dict(metadata or {}), "metadata"),
         "chunk_bytes": chunk_bytes,
+        "checksum": CHECKSUM,
         "tensors": table,
         "tree": tree_node,
     }
@@ -283,7 +301,7 @@ def write(
         for chunk in _byte_chunks(t, chunk_bytes):
             # Hashing in the calling thread, chunk by chunk while it is in cache: measured here, a worker
             # thread hashing beside the write was 3x slower than doing both in turn (1 GiB: 4.4 s vs 1.4 s).
-            crc = zlib.crc32(chunk)
+            crc = _xxh3_low32(chunk)
             file.write(_ITEM.pack(_BIN32, len(chunk)))
             file.write(chunk)
             file.write(_ITEM.pack(_UINT32, crc))
@@ -400,6 +418,9 @@ def read_header(file: BinaryIO, *, name: str) -> CheckpointHeader:
     step = header.get("step")
     if step is not None and type(step) is not int:
         raise CheckpointError(f"{name}: header field 'step' has type {type(step).__qualname__}")
+    checksum = header.get("checksum", "crc32")
+    if checksum not in _CHECKSUMS:
+        raise CheckpointError(f"{name}: unknown chunk checksum {checksum!r} (known: {sorted(_CHECKSUMS)})")
     chunk_bytes = _field(header, "chunk_bytes", int, name)
     if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
         raise CheckpointError(f"{name}: header declares chunk_bytes={chunk_bytes}")
@@ -430,6 +451,7 @@ def read_header(file: BinaryIO, *, name: str) -> CheckpointHeader:
         tensors=infos,
         tree=header.get("tree"),
         data_offset=data_offset,
+        checksum=checksum,
     )
 
 
@@ -445,7 +467,7 @@ _HASHER: ThreadPoolExecutor | None = None
 
 
 def _hasher() -> ThreadPoolExecutor:
-    """One worker thread that computes read chunks' CRCs while the calling thread reads the next one."""
+    """One worker thread that checksums read chunks while the calling thread reads the next one."""
     global _HASHER
     if _HASHER is None:
         _HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="functrain-checkpoint-crc")
@@ -500,7 +522,7 @@ def read_tensors(
             crc = _read_item(file, _UINT32, name, f"checksum of {where}")
             _check_crc(pending, name)
             # Reading, unlike writing, gains from hashing chunk i in a worker while chunk i + 1 is read.
-            pending = (where, crc, _hasher().submit(zlib.crc32, target))
+            pending = (where, crc, _hasher().submit(_CHECKSUMS[header.checksum], target))
         _check_crc(pending, name)
         yield index, result
     if file.read(len(END)) != END:
