@@ -21,15 +21,14 @@ import csv
 import io
 import os
 from collections.abc import Mapping
-from pathlib import Path
 
 from functrain.logging._atomic import replace_text
-from functrain.logging.writer import LazyWriter, check_scalars
+from functrain.logging.writer import FileWriter, check_scalars
 
 __all__ = ["CSVWriter"]
 
 
-class CSVWriter(LazyWriter):
+class CSVWriter(FileWriter):
     """Writes ``step`` plus one column per scalar name to ``log_dir/filename``."""
 
     def __init__(
@@ -39,9 +38,7 @@ class CSVWriter(LazyWriter):
         filename: str = "metrics.csv",
         resume_step: int | None = None,
     ) -> None:
-        self.path = Path(log_dir) / filename
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        super().__init__(resume_step)
+        super().__init__(log_dir, filename, resume_step)
 
     def _open(self, resume_step: int | None) -> None:
         self._columns: list[str] = ["step"]

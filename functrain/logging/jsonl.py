@@ -20,11 +20,10 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from functrain.logging._atomic import replace_text
-from functrain.logging.writer import LazyWriter, check_scalars
+from functrain.logging.writer import FileWriter, check_scalars
 
 __all__ = ["JSONLWriter", "read_jsonl"]
 
@@ -51,7 +50,7 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return records
 
 
-class JSONLWriter(LazyWriter):
+class JSONLWriter(FileWriter):
     """Appends ``{"step": step, **scalars}`` lines to ``log_dir/filename``."""
 
     def __init__(
@@ -61,9 +60,7 @@ class JSONLWriter(LazyWriter):
         filename: str = "metrics.jsonl",
         resume_step: int | None = None,
     ) -> None:
-        self.path = Path(log_dir) / filename
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        super().__init__(resume_step)
+        super().__init__(log_dir, filename, resume_step)
 
     def _open(self, resume_step: int | None) -> None:
         if resume_step is not None and self.path.exists():

@@ -15,7 +15,9 @@ Example:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 __all__ = ["MultiWriter", "Writer", "WriterBase", "check_scalars"]
@@ -95,6 +97,17 @@ class LazyWriter(WriterBase):
 
     def _open(self, resume_step: int | None) -> None:
         raise NotImplementedError
+
+
+class FileWriter(LazyWriter):
+    """A :class:`LazyWriter` of one file ``log_dir/filename`` (the folder is made at construction)."""
+
+    def __init__(
+        self, log_dir: str | os.PathLike[str], filename: str, resume_step: int | None = None
+    ) -> None:
+        self.path = Path(log_dir) / filename
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        super().__init__(resume_step)
 
 
 class MultiWriter(WriterBase):
