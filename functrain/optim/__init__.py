@@ -32,6 +32,7 @@ from functrain.optim.base import (
     chain,
     identity,
     set_to_zero,
+    stateless_leafwise,
 )
 from functrain.optim.clipping import clip, clip_by_global_norm
 from functrain.optim.finite import SkipNotFiniteState, all_finite, skip_not_finite
@@ -144,6 +145,7 @@ __all__ = [
     "set_to_zero",
     "sgd",
     "skip_not_finite",
+    "stateless_leafwise",
     "trace",
     "warmup_cosine_decay_schedule",
 ]

@@ -42,6 +42,7 @@ __all__ = [
     "chain",
     "identity",
     "set_to_zero",
+    "stateless_leafwise",
 ]
 
 OptState = Any
@@ -84,6 +85,27 @@ class EmptyState:
     """The state of a transformation that keeps nothing."""
 
 
+def stateless_leafwise(fn: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> GradientTransformation:
+    """A transformation with no state that maps the list of update leaves with ``fn`` (foreach ops).
+
+    Example:
+        >>> halve = stateless_leafwise(lambda leaves: torch._foreach_mul(leaves, 0.5))
+        >>> halve.update({"w": torch.ones(2)}, halve.init({}))[0]
+        {'w': tensor([0.5000, 0.5000])}
+    """
+
+    def init(params: PyTree) -> EmptyState:
+        return EmptyState()
+
+    def update(updates: PyTree, state: EmptyState, params: PyTree | None = None) -> tuple[PyTree, EmptyState]:
+        leaves, spec = tree.flatten(updates)
+        if not leaves:
+            return updates, state
+        return tree.unflatten(spec, fn(leaves)), state
+
+    return GradientTransformation(init, update)
+
+
 def identity() -> GradientTransformation:
     """Pass updates through unchanged.
 
@@ -91,14 +113,7 @@ def identity() -> GradientTransformation:
         >>> identity().update({"w": torch.ones(1)}, EmptyState())[0]
         {'w': tensor([1.])}
     """
-
-    def init(params: PyTree) -> EmptyState:
-        return EmptyState()
-
-    def update(updates: PyTree, state: EmptyState, params: PyTree | None = None) -> tuple[PyTree, EmptyState]:
-        return updates, state
-
-    return GradientTransformation(init, update)
+    return stateless_leafwise(lambda leaves: leaves)
 
 
 def set_to_zero() -> GradientTransformation:
@@ -108,14 +123,7 @@ def set_to_zero() -> GradientTransformation:
         >>> set_to_zero().update({"w": torch.ones(2)}, EmptyState())[0]
         {'w': tensor([0., 0.])}
     """
-
-    def init(params: PyTree) -> EmptyState:
-        return EmptyState()
-
-    def update(updates: PyTree, state: EmptyState, params: PyTree | None = None) -> tuple[PyTree, EmptyState]:
-        return tree.map(torch.zeros_like, updates), state
-
-    return GradientTransformation(init, update)
+    return stateless_leafwise(lambda leaves: [torch.zeros_like(x) for x in leaves])
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:

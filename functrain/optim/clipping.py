@@ -14,8 +14,7 @@ import torch
 
 from functrain import tree
 from functrain.optim._leaves import check_nonnegative
-from functrain.optim.base import EmptyState, GradientTransformation
-from functrain.tree import PyTree
+from functrain.optim.base import GradientTransformation, stateless_leafwise
 
 __all__ = ["clip", "clip_by_global_norm"]
 
@@ -24,23 +23,17 @@ def clip(max_delta: float) -> GradientTransformation:
     """Clamp every update element to ``[-max_delta, max_delta]`` (``torch.nn.utils.clip_grad_value_``).
 
     Example:
-        >>> clip(1.0).update({"w": torch.tensor([-3.0, 0.5])}, EmptyState())[0]
+        >>> clip(1.0).update({"w": torch.tensor([-3.0, 0.5])}, clip(1.0).init({}))[0]
         {'w': tensor([-1.0000,  0.5000])}
     """
     max_delta = check_nonnegative("clip", "max_delta", max_delta)
 
-    def init(params: PyTree) -> EmptyState:
-        return EmptyState()
-
-    def update(updates: PyTree, state: EmptyState, params: PyTree | None = None) -> tuple[PyTree, EmptyState]:
-        leaves, spec = tree.flatten(updates)
-        if not leaves:
-            return updates, state
+    def clamp(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         clipped = torch._foreach_clamp_min(leaves, -max_delta)
         torch._foreach_clamp_max_(clipped, max_delta)
-        return tree.unflatten(spec, clipped), state
+        return clipped
 
-    return GradientTransformation(init, update)
+    return stateless_leafwise(clamp)
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
@@ -51,19 +44,13 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     updates, which :func:`functrain.optim.skip_not_finite` can catch).
 
     Example:
-        >>> clip_by_global_norm(1.0).update({"w": torch.tensor([0.0, 2.0])}, EmptyState())[0]
+        >>> clip_by_global_norm(1.0).update({"w": torch.tensor([0.0, 2.0])}, clip_by_global_norm(1.0).init({}))[0]
         {'w': tensor([0.0000, 1.0000])}
     """
     max_norm = check_nonnegative("clip_by_global_norm", "max_norm", max_norm)
 
-    def init(params: PyTree) -> EmptyState:
-        return EmptyState()
-
-    def update(updates: PyTree, state: EmptyState, params: PyTree | None = None) -> tuple[PyTree, EmptyState]:
-        leaves, spec = tree.flatten(updates)
-        if not leaves:
-            return updates, state
+    def rescale(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         factor = torch.clamp(max_norm / (tree.global_norm(leaves) + 1e-6), max=1.0)
-        return tree.unflatten(spec, torch._foreach_mul(leaves, factor)), state
+        return torch._foreach_mul(leaves, factor)
 
-    return GradientTransformation(init, update)
+    return stateless_leafwise(rescale)

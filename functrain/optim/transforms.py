@@ -30,7 +30,7 @@ from functrain.optim._leaves import (
     scalar,
     zero_count,
 )
-from functrain.optim.base import EmptyState, GradientTransformation, ScalarOrSchedule
+from functrain.optim.base import EmptyState, GradientTransformation, ScalarOrSchedule, stateless_leafwise
 from functrain.optim.hyperparams import hyperparam_field
 from functrain.tree import PyTree
 
@@ -90,17 +90,7 @@ def scale(step_size: float) -> GradientTransformation:
         {'w': tensor([-2.])}
     """
     step_size = check_real("scale", "step_size", step_size)
-
-    def init(params: PyTree) -> EmptyState:
-        return EmptyState()
-
-    def update(updates: PyTree, state: EmptyState, params: PyTree | None = None) -> tuple[PyTree, EmptyState]:
-        leaves, spec = tree.flatten(updates)
-        if not leaves:
-            return updates, state
-        return tree.unflatten(spec, torch._foreach_mul(leaves, step_size)), state
-
-    return GradientTransformation(init, update)
+    return stateless_leafwise(lambda leaves: torch._foreach_mul(leaves, step_size))
 
 
 @tree.struct
