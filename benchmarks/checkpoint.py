@@ -1,9 +1,18 @@
 """Checkpoint save/load time and peak memory: functrain vs torch.save/torch.load and safetensors.
 
 Each measurement runs in a fresh subprocess (so peak RSS belongs to that one operation), repeated, and the
-median is reported. Files are read back warm from the page cache for every library alike.
+median and the minimum are reported. Files are read back warm from the page cache for every library alike.
+Before every measurement the parent calls ``os.sync()``, so no library is slowed by the write-back of the
+file another library wrote just before it.
 
-    python benchmarks/checkpoint.py --gib 1.0 --repeats 3
+Saving is measured two ways:
+
+- *overwrite*: every save replaces the same file (a ``last.ckpt``); torch.save and safetensors truncate
+  it and write in place, functrain writes a new file beside it and renames it over (atomic);
+- *new file*: every save writes a new file and the previous one is deleted afterwards (a checkpoint
+  folder keeping one); functrain through ``CheckpointManager(max_to_keep=1)``.
+
+    python benchmarks/checkpoint.py --gib 1.0 --repeats 5
 
 "Extra RSS" is the peak resident memory during the operation beyond the state itself, as a fraction of
 the state's size (the target is at most 0.2x).
@@ -15,14 +24,15 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import zlib
 
 SAVERS = ("functrain", "functrain+fsync", "torch", "safetensors")
+SCENARIOS = ("overwrite", "new file")
 LOADERS = ("functrain", "torch", "safetensors")
 
 
@@ -51,12 +61,25 @@ def _current_rss_bytes() -> int:
 
 
 def worker(operation: str, library: str, path: str, gib: float) -> dict:
-    """Run one operation in this (fresh) process and report its time and memory."""
+    """Run one operation in this (fresh) process and report its time and memory.
+
+    ``operation`` is "load", "save" (to ``path``) or "save-new": the next file of the folder ``path``
+    (``step_<n>``), the previous one deleted after the timed save as a checkpoint folder keeping one does.
+    """
     import torch
 
     from functrain import checkpoint, tree
 
     flat = None
+    new_file = operation == "save-new"
+    if new_file:
+        operation, folder = "save", path
+        os.makedirs(folder, exist_ok=True)
+        previous = sorted(
+            int(name[5:].split(".")[0]) for name in os.listdir(folder) if name.startswith("step_")
+        )
+        step = previous[-1] + 1 if previous else 1
+        path = os.path.join(folder, f"step_{step}.{'ckpt' if library.startswith('functrain') else 'bin'}")
     state = make_state(gib) if operation == "save" else None
     if state is not None and library in ("torch", "safetensors"):
         flat = {f"params.{k}": v for k, v in state["params"].items()}
@@ -65,7 +88,10 @@ def worker(operation: str, library: str, path: str, gib: float) -> dict:
     before = _current_rss_bytes()
     start = time.perf_counter()
     if operation == "save":
-        if library.startswith("functrain"):
+        if library.startswith("functrain") and new_file:
+            manager = checkpoint.CheckpointManager(folder, max_to_keep=1, fsync=library.endswith("fsync"))
+            manager.save(step, state)
+        elif library.startswith("functrain"):
             checkpoint.save(path, state, step=10, fsync=library.endswith("fsync"))
         elif library == "torch":
             torch.save(flat, path)
@@ -83,6 +109,10 @@ def worker(operation: str, library: str, path: str, gib: float) -> dict:
 
             loaded = safetensors.torch.load_file(path)
         state_bytes = tree.num_bytes(loaded)
+    if new_file and not library.startswith("functrain"):  # what the manager's retention does, timed alike
+        for name in os.listdir(folder):
+            if name != os.path.basename(path):
+                os.remove(os.path.join(folder, name))
     seconds = time.perf_counter() - start
     peak = _peak_rss_bytes()
     # Saving: the state is resident before; loading: the loaded state is what must be resident after.
@@ -109,14 +139,15 @@ def _paths(folder: str) -> dict[str, str]:
     }
 
 
-def _crc_seconds(gib: float) -> float:
-    state = make_state(gib)
-    import torch
-
-    start = time.perf_counter()
-    for t in state["params"].values():
-        zlib.crc32(memoryview(t.view(torch.uint8).numpy()))
-    return time.perf_counter() - start
+def _measurements(folder: str) -> list[tuple[str, str, str, str]]:
+    """(label, worker operation, library, path) for every measurement of one repeat, in order."""
+    paths = _paths(folder)
+    rows = [("save (overwrite)", "save", library, paths[library]) for library in SAVERS]
+    rows += [
+        ("save (new file)", "save-new", library, os.path.join(folder, f"new-{library}")) for library in SAVERS
+    ]
+    rows += [("load", "load", library, paths[library]) for library in LOADERS]
+    return rows
 
 
 def main() -> None:
@@ -124,7 +155,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--gib", type=float, default=1.0, help="state size in GiB")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--folder", default=None, help="where to write (default: a temporary folder)")
     parser.add_argument("--worker", nargs=3, metavar=("OPERATION", "LIBRARY", "PATH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -132,34 +163,33 @@ def main() -> None:
         print(json.dumps(worker(*args.worker, args.gib)))
         return
     folder = args.folder or tempfile.mkdtemp(prefix="functrain-bench-")
-    paths = _paths(folder)
+    measurements = _measurements(folder)
     results: dict[tuple[str, str], list[dict]] = {}
     for _ in range(args.repeats):  # interleaved, so slow phases of a shared machine hit every library
-        for library in SAVERS:
-            results.setdefault(("save", library), []).append(
-                _run_worker("save", library, paths[library], args.gib)
-            )
-        for library in LOADERS:
-            results.setdefault(("load", library), []).append(
-                _run_worker("load", library, paths[library], args.gib)
-            )
+        for label, operation, library, path in measurements:
+            os.sync()  # start every measurement with no other file's pages waiting to be written
+            results.setdefault((label, library), []).append(_run_worker(operation, library, path, args.gib))
     state_bytes = results[("load", "functrain")][0]["state_bytes"]
-    print(f"state: {state_bytes / (1 << 30):.2f} GiB, {args.repeats} repeats, median of each")
-    print(f"crc32 of the state alone: {_crc_seconds(args.gib):.2f} s (overlapped with I/O in functrain)")
+    print(f"state: {state_bytes / (1 << 30):.2f} GiB, {args.repeats} repeats")
     print()
-    print("| operation | library | time (s) | vs torch | extra peak RSS / state |")
-    print("|---|---|---|---|---|")
-    for operation, libraries in (("save", SAVERS), ("load", LOADERS)):
-        torch_time = statistics.median(r["seconds"] for r in results[(operation, "torch")])
-        for library in libraries:
-            runs = results[(operation, library)]
-            seconds = statistics.median(r["seconds"] for r in runs)
+    print(
+        "| operation | library | median (s) | min (s) | vs torch, median | vs torch, min | extra peak RSS / state |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for label in dict.fromkeys(label for label, *_ in measurements):
+        torch_runs = [r["seconds"] for r in results[(label, "torch")]]
+        for library in SAVERS if label.startswith("save") else LOADERS:
+            runs = results[(label, library)]
+            seconds = [r["seconds"] for r in runs]
+            median, fastest = statistics.median(seconds), min(seconds)
             extra = statistics.median(r["extra_rss"] for r in runs) / state_bytes
-            label = "safetensors (mmap, lazy)" if (operation, library) == ("load", "safetensors") else library
-            print(f"| {operation} | {label} | {seconds:.2f} | {seconds / torch_time:.2f}x | {extra:.2f}x |")
-    for path in paths.values():
-        if os.path.exists(path):
-            os.remove(path)
+            name = "safetensors (mmap, lazy)" if (label, library) == ("load", "safetensors") else library
+            print(
+                f"| {label} | {name} | {median:.2f} | {fastest:.2f} | "
+                f"{median / statistics.median(torch_runs):.2f}x | {fastest / min(torch_runs):.2f}x | {extra:.2f}x |"
+            )
+    if args.folder is None:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":

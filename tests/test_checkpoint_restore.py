@@ -95,3 +95,18 @@ def test_save_replaces_a_good_file_only_when_complete(tmp_path):
         checkpoint.save(path, {"a": torch.ones(2), "bad": object()})
     assert torch.equal(checkpoint.restore(path)["a"], torch.ones(2))
     assert [p.name for p in tmp_path.iterdir()] == ["s.ckpt"]
+
+
+def test_a_write_failing_midway_leaves_the_replaced_file_whole(tmp_path):
+    # atomic_write drops the old file's cached pages before writing: its contents must not suffer.
+    from functrain.checkpoint.atomic import atomic_write, drop_cached_pages
+
+    path = tmp_path / "last.ckpt"
+    old = torch.arange(1 << 18, dtype=torch.float32)
+    checkpoint.save(path, {"a": old})
+    with pytest.raises(RuntimeError, match="disk full"), atomic_write(path) as file:
+        file.write(b"\0" * (1 << 20))
+        raise RuntimeError("disk full")
+    assert torch.equal(checkpoint.restore(path)["a"], old)
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+    drop_cached_pages(tmp_path / "missing.ckpt")  # nothing to drop: no error

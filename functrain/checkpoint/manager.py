@@ -29,7 +29,7 @@ import torch
 from functrain.checkpoint import file as checkpoint_file
 from functrain.checkpoint import format as fmt
 from functrain.checkpoint import structure
-from functrain.checkpoint.atomic import fsync_directory, is_temporary
+from functrain.checkpoint.atomic import drop_cached_pages, fsync_directory, is_temporary
 from functrain.checkpoint.errors import CheckpointError
 from functrain.checkpoint.format import CheckpointHeader
 
@@ -237,6 +237,10 @@ class CheckpointManager:
             self._failure = error
 
     def _write(self, step: int, node: Any, tensors: list[Any], metrics: Any, metadata: Any) -> None:
+        # Earlier checkpoints are on disk and rarely read again: give their page cache to the new file
+        # (on a VM, fresh pages cost ~2 s/GiB to fault in; see atomic.drop_cached_pages).
+        for earlier in self.all_steps():
+            drop_cached_pages(self.path(earlier))
         checkpoint_file.write_encoded(
             self.path(step),
             node,
