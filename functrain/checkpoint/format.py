@@ -499,9 +499,16 @@ def read_tensors(
         ...     tensors = [t for _, t in read_tensors(f, header, name=path)]
     """
     chunk_bytes = header.chunk_bytes
+    # A tensor is yielded once its last chunk's checksum is verified; that check runs in a worker while
+    # the next tensor's first chunk is read, so the hashing of one-chunk tensors overlaps the I/O too.
+    held: tuple[int, torch.Tensor, tuple[str, int, Future[int]] | None] | None = None
     for index, info in enumerate(header.tensors):
         chunks = -(-info.nbytes // chunk_bytes)
         if select is not None and not select(index, info):
+            if held is not None:
+                _check_crc(held[2], name)
+                yield held[0], held[1]
+                held = None
             file.seek(info.nbytes + _CHUNK_OVERHEAD * chunks, os.SEEK_CUR)
             yield index, None
             continue
@@ -521,10 +528,19 @@ def read_tensors(
                 raise CheckpointError(f"{name}: file is truncated in {where}")
             crc = _read_item(file, _UINT32, name, f"checksum of {where}")
             _check_crc(pending, name)
+            if held is not None:
+                _check_crc(held[2], name)
+                yield held[0], held[1]
+                held = None
             # Reading, unlike writing, gains from hashing chunk i in a worker while chunk i + 1 is read.
             pending = (where, crc, _hasher().submit(_CHECKSUMS[header.checksum], target))
-        _check_crc(pending, name)
-        yield index, result
+        if held is not None:  # an empty tensor read no chunk: the one held before it goes first
+            _check_crc(held[2], name)
+            yield held[0], held[1]
+        held = (index, result, pending)
+    if held is not None:
+        _check_crc(held[2], name)
+        yield held[0], held[1]
     if file.read(len(END)) != END:
         raise CheckpointError(f"{name}: end marker missing or corrupted: the file is truncated or damaged")
     if file.read(1):
