@@ -13,7 +13,9 @@ Timing runs every variant of a workload in this one process, interleaved: each r
 median over repeats with the interquartile range. Compile time and memory are measured in a fresh
 child process per variant: compile time cold (an empty ``TORCHINDUCTOR_CACHE_DIR``) and warm (the same
 cache directory again, in a new process); memory as the child's peak RSS over the whole run and as the
-peak during steady-state steps (``VmHWM`` reset after warm-up) above the RSS before the model existed.
+peak during steady-state steps (``VmHWM`` reset after warm-up) above the RSS before the model existed,
+with ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed tensors leave the RSS. functrain's states are built
+with ``TrainState.create(..., copy=False)``: they share the model's weights instead of copying them.
 
 Usage:
     python benchmarks/steps.py                       # all workloads, writes benchmarks/results/steps.md
@@ -66,7 +68,10 @@ def make_variant(name: str, workload: common.Workload, jit_kwargs: dict | None =
 
         return torch_step
 
-    state = ft.TrainState.create(model, ft.optim.adamw(common.LR, weight_decay=common.WEIGHT_DECAY))
+    # copy=False: the state shares the model's weights instead of holding a second copy of them.
+    state = ft.TrainState.create(
+        model, ft.optim.adamw(common.LR, weight_decay=common.WEIGHT_DECAY), copy=False
+    )
     step = ft.jit(
         ft.make_train_step(model, ft.supervised_loss(F.cross_entropy)),
         donate=name == "ft-donate",
@@ -137,7 +142,10 @@ def child(workload_name: str, variant: str, steps: int, jit_kwargs: dict | None)
 
 
 def run_child(workload: str, variant: str, cache_dir: str, steps: int, jit_kwargs: dict | None) -> dict:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
+    # Every allocation of 64 KiB or more gets its own mapping, returned to the system when freed: the
+    # RSS then follows the live tensors (glibc's default keeps freed blocks, so a peak would partly be
+    # its heap). The same for every variant.
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir, MALLOC_MMAP_THRESHOLD_="65536")
     cmd = [sys.executable, __file__, "--child", workload, variant, "--steps", str(steps)]
     cmd += ["--threads", str(torch.get_num_threads())]
     if jit_kwargs:

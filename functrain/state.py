@@ -25,9 +25,10 @@ __all__ = ["TrainState", "model_variables"]
 
 
 def model_variables(
-    model: nn.Module,
+    model: nn.Module, *, copy: bool = True
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], tuple[tuple[str, str], ...], tuple[str, ...]]:
-    """Detached copies of a module's trainable parameters and of its other tensors.
+    """Detached copies of a module's trainable parameters and of its other tensors (with
+    ``copy=False``, detached views sharing the module's memory).
 
     Returns ``(params, buffers, tied, non_persistent)``:
     - ``params``: parameters with ``requires_grad=True``, one entry per distinct tensor (tied weights
@@ -46,7 +47,7 @@ def model_variables(
             tied.append((name, first_name[id(p)]))
             continue
         first_name[id(p)] = name
-        (params if p.requires_grad else buffers)[name] = p.detach().clone()
+        (params if p.requires_grad else buffers)[name] = p.detach().clone() if copy else p.detach()
     non_persistent: list[str] = []
     for mod_name, module in model.named_modules(remove_duplicate=False):
         for b_name, b in module.named_buffers(prefix=mod_name, recurse=False, remove_duplicate=False):
@@ -57,7 +58,7 @@ def model_variables(
                     tied.append((b_name, first_name[id(b)]))
                 continue
             first_name[id(b)] = b_name
-            buffers[b_name] = b.detach().clone()
+            buffers[b_name] = b.detach().clone() if copy else b.detach()
             if b_name.rsplit(".", 1)[-1] in module._non_persistent_buffers_set:
                 non_persistent.append(b_name)
     return params, buffers, tuple(tied), tuple(non_persistent)
@@ -133,6 +134,7 @@ class TrainState:
         dtype: torch.dtype | None = None,
         loss_scale: Any = None,
         metrics: Any = None,
+        copy: bool = True,
     ) -> TrainState:
         """A fresh state from a module's current weights (copied: the module is not touched).
 
@@ -143,9 +145,17 @@ class TrainState:
             device, dtype: where and in which floating dtype params, buffers and optimizer state live.
             loss_scale: a ``functrain.precision.LossScale`` for fp16 training.
             metrics: the initial training metric state (``collection.empty()``).
+            copy: ``False`` makes params and buffers share the module's memory instead of copying it:
+                no second copy of the weights, which a large model needs. A pure step never writes to
+                them; a donating step (``jit(..., donate=True)``) then trains the module's own tensors
+                in place, as ``torch.optim`` does. A ``device`` or ``dtype`` change still copies.
 
         Example:
             >>> state = TrainState.create(torch.nn.Linear(2, 2), ft.optim.sgd(0.1), device="cpu")
+            >>> big = torch.nn.Linear(2, 2)
+            >>> shared = TrainState.create(big, ft.optim.sgd(0.1), copy=False)
+            >>> shared.params["weight"].data_ptr() == big.weight.data_ptr()
+            True
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"TrainState.create: model must be an nn.Module, got {type(model).__name__}")
@@ -154,7 +164,7 @@ class TrainState:
                 "TrainState.create: tx must be a functrain.optim.GradientTransformation (for example "
                 f"functrain.optim.adamw(1e-3)), got {type(tx).__name__}"
             )
-        params, buffers, tied, non_persistent = model_variables(model)
+        params, buffers, tied, non_persistent = model_variables(model, copy=copy)
         if device is not None or dtype is not None:
             params = _to(params, device, dtype)
             buffers = _to(buffers, device, dtype)

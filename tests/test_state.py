@@ -34,6 +34,30 @@ def test_create_copies_weights_and_starts_at_step_zero():
     assert torch.equal(state.rng, ft.random.key(7))
 
 
+def test_create_without_copy_shares_memory_and_a_donating_step_trains_the_module():
+    import torch.nn.functional as F
+
+    model = SmallCNN()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    shared = ft.TrainState.create(model, ft.optim.adam(1e-2), copy=False)
+    for name, p in model.named_parameters():
+        assert shared.params[name].data_ptr() == p.data_ptr()
+    assert shared.buffers["features.1.running_mean"].data_ptr() == model.features[1].running_mean.data_ptr()
+    step = ft.make_train_step(model, ft.supervised_loss(F.cross_entropy))
+    batch = (torch.randn(4, 1, 8, 8), torch.tensor([0, 1, 2, 3]))
+    expected, _ = ft.jit(step, compile=False)(ft.TrainState.create(model, ft.optim.adam(1e-2)), batch)
+    for k, v in model.state_dict().items():  # a pure step never writes into the shared tensors
+        assert torch.equal(v, before[k]), k
+    out, _ = ft.jit(step, compile=False, donate=True)(shared, batch)
+    trained = model.state_dict()
+    for name in expected.params:
+        assert torch.equal(out.params[name], expected.params[name])
+        assert torch.equal(trained[name], expected.params[name]), (
+            f"{name}: the module was not trained in place"
+        )
+    assert not torch.equal(trained["features.1.running_mean"], before["features.1.running_mean"])
+
+
 def test_tied_weights_stay_tied_and_export_loads():
     model = Tied()
     state = ft.TrainState.create(model, ft.optim.sgd(0.1))
