@@ -21,6 +21,7 @@ from typing import Any, Literal
 import torch
 import torch._dynamo
 import torch.utils._pytree as torch_pytree
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from functrain import random
 
@@ -93,6 +94,36 @@ def _bernoulli(x: torch.Tensor, p: float = 0.5, generator: Any = None) -> Any:
     if generator is not None:
         return NotImplemented
     return _uniform_below(x, p)
+
+
+class _CacheKeyOfDropoutMasks(CustomGraphPass):
+    """A pass that changes nothing: its ``uuid`` enters the AOTAutograd and inductor cache keys, which
+    ignore custom decompositions, so a graph compiled with the dropout decompositions is never served
+    to a compile of the same graph with ``fallback_random=True`` (eager's masks), nor the reverse."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        return None
+
+    def uuid(self) -> str:
+        return "functrain.jit: dropout masks as float32 rand < p, v1"
+
+
+_RANDOM_MASK_OPS = ("dropout", "bernoulli")
+
+
+def _draws_dropout_masks(gm: torch.fx.GraphModule) -> bool:
+    """Whether dynamo's graph calls dropout or bernoulli, directly or inside attention (``dropout_p``)."""
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        name = getattr(node.target, "__name__", str(node.target)).lower()
+        if any(op in name for op in _RANDOM_MASK_OPS):
+            return True
+        if "scaled_dot_product_attention" in name:
+            p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+            if not (isinstance(p, (int, float)) and p == 0):
+                return True
+    return False
 
 
 def _cpu_dropout_decompositions() -> dict[Any, Callable[..., Any]]:
@@ -198,12 +229,23 @@ class CompiledStep:
                 self._warned = True
         if not _on_cpu(example_inputs):
             return compile_fx(gm, example_inputs, config_patches=config or None)
-        if "fallback_random" in config:  # the caller chose how random ops compile: leave them as they are
+        # The caller chose how random ops compile (fallback_random) or set the pass we use as a cache
+        # key, or the graph draws no dropout mask: inductor's own path.
+        if (
+            "fallback_random" in config
+            or "post_grad_custom_post_pass" in config
+            or not _draws_dropout_masks(gm)
+        ):
             return compile_fx(gm, example_inputs, config_patches={**_CPU_DEFAULTS, **config})
         return compile_fx(
             gm,
             example_inputs,
-            config_patches={**_CPU_DEFAULTS, "fallback_random": True, **config},
+            config_patches={
+                **_CPU_DEFAULTS,
+                "fallback_random": True,
+                "post_grad_custom_post_pass": _CacheKeyOfDropoutMasks(),
+                **config,
+            },
             decompositions=_cpu_dropout_decompositions(),
         )
 

@@ -166,3 +166,26 @@ def test_compiled_donation_matches_pure():
     assert s.params["0.weight"] is first_weight
     for k in s.params:
         torch.testing.assert_close(s.params[k], expected.params[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_dropout_keeps_one_minus_p_and_is_reproducible(dtype):
+    # On CPU, jit draws dropout masks as float32 `rand < p` (faster than ATen's bernoulli_): the kept
+    # fraction must still be 1 - p, in bf16 too (bf16 uniforms would round p), and seeded by the state.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 1 << 14), torch.nn.Dropout(0.1))
+
+    def keep_fraction(call, batch):
+        kept = (call(batch) != 0).flatten()
+        weights = torch.arange(kept.numel(), dtype=torch.float64)
+        return kept.float().mean(), {"metrics": {"fingerprint": (kept.double() * weights).sum()}}
+
+    state = ft.TrainState.create(model, ft.optim.sgd(0.0), dtype=dtype)
+    step = ft.jit(ft.make_train_step(model, keep_fraction))
+    batch = torch.ones(128, 4, dtype=dtype)
+    (_, m1), (_, m2) = step(state, batch), step(state, batch)
+    n, p = 128 * (1 << 14), 0.1
+    assert abs(float(m1["loss"]) - (1 - p)) < 5 * (p * (1 - p) / n) ** 0.5
+    assert torch.equal(m1["fingerprint"], m2["fingerprint"]), "same state and batch: same mask"
+    _, other = step(state.replace(step=state.step + 1), batch)
+    assert not torch.equal(other["fingerprint"], m1["fingerprint"]), "the next step draws a new mask"
