@@ -372,7 +372,9 @@ def jit(
         dynamic: passed to ``torch.compile`` (``False``: specialise on shapes, the fastest kernels).
         mode, options: inductor mode (``"max-autotune"``, ...) and config options. On the CPU, jit
             turns inductor's ``layout_optimization`` off unless ``options`` sets it (channels-last
-            layout copies around convolutions made a BatchNorm CNN's step 30% slower).
+            layout copies around convolutions made a BatchNorm CNN's step 30% slower), and draws
+            dropout masks as float32 ``rand < p`` (half the cost of ATen's ``bernoulli_``) unless
+            ``options`` sets ``fallback_random`` (``True``: exactly eager's masks).
         max_compiles: compilations allowed before :class:`RecompileError` (or a warning); the error names
             the guard that failed.
         seed: seed the step's randomness from the state (on by default).
