@@ -21,7 +21,6 @@ from typing import Any, Literal
 import torch
 import torch._dynamo
 import torch.utils._pytree as torch_pytree
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from functrain import random
 
@@ -96,16 +95,13 @@ def _bernoulli(x: torch.Tensor, p: float = 0.5, generator: Any = None) -> Any:
     return _uniform_below(x, p)
 
 
-class _CacheKeyOfDropoutMasks(CustomGraphPass):
-    """A pass that changes nothing: its ``uuid`` enters the AOTAutograd and inductor cache keys, which
-    ignore custom decompositions, so a graph compiled with the dropout decompositions is never served
-    to a compile of the same graph with ``fallback_random=True`` (eager's masks), nor the reverse."""
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        return None
-
-    def uuid(self) -> str:
-        return "functrain.jit: dropout masks as float32 rand < p, v1"
+# AOTAutograd's and inductor's cache keys ignore custom decompositions, so without a mark a graph
+# compiled with the dropout decompositions would be served to a compile of the same graph with
+# ``fallback_random=True`` (eager's masks), or the reverse (seen here: an AOTAutograd cache hit across
+# the two). ``unsafe_marked_cacheable_functions`` is hashed into both keys; this entry names no real
+# function, so it marks nothing cacheable and only salts the key. Bump its version when the
+# decompositions change.
+_DROPOUT_CACHE_SALT = {"functrain.jit:cpu-dropout-masks": "float32 rand < p, v1"}
 
 
 _RANDOM_MASK_OPS = ("dropout", "bernoulli")
@@ -126,6 +122,17 @@ def _draws_dropout_masks(gm: torch.fx.GraphModule) -> bool:
     return False
 
 
+class _DecompositionTable(dict):  # type: ignore[type-arg]
+    """A decomposition table that pickles as a call of the function building it.
+
+    Inductor pickles a custom table into its FX graph cache key; ATen's table holds pybind11 functions
+    that cannot be pickled, which made inductor bypass its cache (warm compiles as slow as cold ones).
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_cpu_dropout_decompositions, ())
+
+
 def _cpu_dropout_decompositions() -> dict[Any, Callable[..., Any]]:
     """Inductor's decompositions, with Bernoulli draws (dropout masks) as ``rand < p``.
 
@@ -136,11 +143,13 @@ def _cpu_dropout_decompositions() -> dict[Any, Callable[..., Any]]:
     follow the same distribution as eager's but are different draws; pass
     ``options={"fallback_random": True}`` to draw exactly eager's masks instead.
     """
-    from torch._inductor.decomposition import select_decomp_table
+    # Inductor's table under fallback_random=True (what these graphs compile with), whatever the
+    # config is when this runs: the cache calls this function again when it loads a graph.
+    from torch._decomp.decompositions import native_dropout as default_dropout
+    from torch._inductor.decomposition import decompositions as inductor_table
 
     aten = torch.ops.aten
-    table = dict(select_decomp_table())
-    default_dropout = table[aten.native_dropout.default]
+    table = dict(inductor_table)
 
     def native_dropout(x: torch.Tensor, p: float, train: bool | None) -> Any:
         if not train or p in (0, 1) or not x.is_floating_point():
@@ -151,7 +160,7 @@ def _cpu_dropout_decompositions() -> dict[Any, Callable[..., Any]]:
     table[aten.bernoulli_.float] = _bernoulli_inplace
     table[aten.bernoulli.p] = _bernoulli
     table[aten.native_dropout.default] = native_dropout
-    return table
+    return _DecompositionTable(table)
 
 
 def _default_rank() -> int:
@@ -229,21 +238,20 @@ class CompiledStep:
                 self._warned = True
         if not _on_cpu(example_inputs):
             return compile_fx(gm, example_inputs, config_patches=config or None)
-        # The caller chose how random ops compile (fallback_random) or set the pass we use as a cache
-        # key, or the graph draws no dropout mask: inductor's own path.
-        if (
-            "fallback_random" in config
-            or "post_grad_custom_post_pass" in config
-            or not _draws_dropout_masks(gm)
-        ):
+        # The caller chose how random ops compile (fallback_random), or the graph draws no dropout mask:
+        # inductor's own path.
+        if "fallback_random" in config or not _draws_dropout_masks(gm):
             return compile_fx(gm, example_inputs, config_patches={**_CPU_DEFAULTS, **config})
+        from torch._inductor import config as inductor_config
+
+        salted = {**inductor_config.unsafe_marked_cacheable_functions, **_DROPOUT_CACHE_SALT}
         return compile_fx(
             gm,
             example_inputs,
             config_patches={
                 **_CPU_DEFAULTS,
                 "fallback_random": True,
-                "post_grad_custom_post_pass": _CacheKeyOfDropoutMasks(),
+                "unsafe_marked_cacheable_functions": salted,
                 **config,
             },
             decompositions=_cpu_dropout_decompositions(),
