@@ -189,3 +189,21 @@ def test_compiled_dropout_keeps_one_minus_p_and_is_reproducible(dtype):
     assert torch.equal(m1["fingerprint"], m2["fingerprint"]), "same state and batch: same mask"
     _, other = step(state.replace(step=state.step + 1), batch)
     assert not torch.equal(other["fingerprint"], m1["fingerprint"]), "the next step draws a new mask"
+
+
+@pytest.mark.compile
+def test_fallback_random_compile_is_not_served_the_fast_dropout_graph(tmp_path, monkeypatch):
+    # The compile caches ignore decompositions: the fast-dropout graph is salted apart, so compiling the
+    # same step with fallback_random=True afterwards (same cache folder) still draws eager's masks.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    model = SmallCNN(dropout=0.5)
+    state = ft.TrainState.create(model, ft.optim.sgd(0.1))
+    step = ft.make_train_step(model, ft.supervised_loss(F.cross_entropy))
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randn(16, 1, 8, 8, generator=g), torch.randint(0, 4, (16,), generator=g))
+    eager, _ = ft.jit(step, compile=False)(state, batch)
+    fast, _ = ft.jit(step)(state, batch)
+    same, _ = ft.jit(step, options=SAME_RANDOM)(state, batch)
+    assert not all(torch.allclose(fast.params[k], eager.params[k]) for k in eager.params)
+    for k in eager.params:
+        torch.testing.assert_close(same.params[k], eager.params[k], rtol=1e-5, atol=1e-6)
