@@ -124,16 +124,23 @@ _ZYGOTE = textwrap.dedent(
                 print("step", step, flush=True)
             os._exit(0)
         print("child", pid, flush=True)
-        os.waitpid(pid, 0)
-        print("reaped", pid, flush=True)
+        _, status = os.waitpid(pid, 0)
+        print("reaped", pid, status, flush=True)
     """
 )
 
 
-def _read_until(stream, word: str) -> list[str]:
+def _read_until(stream, word: str, errors=None) -> list[str]:
+    """The zygote's next line starting with ``word``. A child that ends before saving once (the
+    zygote reports it reaped while ``step`` is awaited) fails the test with the child's stderr,
+    instead of leaving both processes waiting on each other."""
     while True:
         line = stream.readline().split()
-        assert line, f"the zygote process ended while waiting for {word!r}"
+        where = f"while waiting for {word!r}; stderr:\n{errors.read_text() if errors else ''}"
+        assert line, f"the zygote process ended {where}"
+        assert not (line[0] == "reaped" and word == "step"), (
+            f"a child ended before saving once ({line}) {where}"
+        )
         if line[0] == word:
             return line
 
@@ -144,10 +151,12 @@ def test_latest_survives_sigkill_at_random_moments(tmp_path):
     rng = random.Random(0)
     folder = str(tmp_path / "run")
     env = dict(os.environ, PYTHONPATH=os.getcwd())
+    errors = tmp_path / "zygote-stderr.txt"
     zygote = subprocess.Popen(
         [sys.executable, "-c", _ZYGOTE, folder],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
+        stderr=errors.open("w"),
         env=env,
         text=True,
     )
@@ -156,11 +165,11 @@ def test_latest_survives_sigkill_at_random_moments(tmp_path):
         for _kill in range(20):
             zygote.stdin.write("go\n")
             zygote.stdin.flush()
-            child = int(_read_until(zygote.stdout, "child")[1])
-            _read_until(zygote.stdout, "step")  # at least one checkpoint of this round is complete
+            child = int(_read_until(zygote.stdout, "child", errors)[1])
+            _read_until(zygote.stdout, "step", errors)  # at least one checkpoint of this round is complete
             time.sleep(rng.uniform(0.0, 0.8))
             os.kill(child, signal.SIGKILL)
-            _read_until(zygote.stdout, "reaped")
+            _read_until(zygote.stdout, "reaped", errors)
             killed_mid_save += any(".tmp-" in name for name in os.listdir(folder))
             manager = CheckpointManager(folder)
             latest = manager.latest()
