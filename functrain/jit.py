@@ -23,6 +23,7 @@ import torch._dynamo
 import torch.utils._pytree as torch_pytree
 
 from functrain import random
+from functrain.distributed.env import rank as distributed_rank
 
 __all__ = ["CompiledStep", "DonatedStateError", "GraphBreakError", "RecompileError", "jit"]
 
@@ -79,20 +80,19 @@ def _on_cpu(example_inputs: list[Any]) -> bool:
 
 
 def _uniform_below(x: torch.Tensor, p: Any) -> torch.Tensor:
-    """``x``-shaped Bernoulli(p) draws in ``x``'s dtype, from float32 uniforms (exact p for bf16/fp16)."""
-    return (torch.rand(x.shape, dtype=torch.float32, device=x.device) < p).to(x.dtype)
-
-
-def _bernoulli_inplace(x: torch.Tensor, p: float = 0.5, generator: Any = None) -> Any:
-    if generator is not None:
-        return NotImplemented
-    return x.copy_(_uniform_below(x, p))
+    """An ``x``-shaped boolean mask, true with probability ``p``: float32 uniforms (exact p for bf16/fp16)."""
+    return torch.rand(x.shape, dtype=torch.float32, device=x.device) < p
 
 
 def _bernoulli(x: torch.Tensor, p: float = 0.5, generator: Any = None) -> Any:
     if generator is not None:
         return NotImplemented
-    return _uniform_below(x, p)
+    return _uniform_below(x, p).to(x.dtype)
+
+
+def _bernoulli_inplace(x: torch.Tensor, p: float = 0.5, generator: Any = None) -> Any:
+    draws = _bernoulli(x, p, generator)
+    return draws if draws is NotImplemented else x.copy_(draws)
 
 
 # AOTAutograd's and inductor's cache keys ignore custom decompositions, so without a mark a graph
@@ -101,7 +101,7 @@ def _bernoulli(x: torch.Tensor, p: float = 0.5, generator: Any = None) -> Any:
 # the two). ``unsafe_marked_cacheable_functions`` is hashed into both keys; this entry names no real
 # function, so it marks nothing cacheable and only salts the key. Bump its version when the
 # decompositions change.
-_DROPOUT_CACHE_SALT = {"functrain.jit:cpu-dropout-masks": "float32 rand < p, v1"}
+_DROPOUT_CACHE_SALT = {"functrain.jit:cpu-dropout-masks": "float32 rand < p, v2"}
 
 
 _RANDOM_MASK_OPS = ("dropout", "bernoulli")
@@ -154,19 +154,13 @@ def _cpu_dropout_decompositions() -> dict[Any, Callable[..., Any]]:
     def native_dropout(x: torch.Tensor, p: float, train: bool | None) -> Any:
         if not train or p in (0, 1) or not x.is_floating_point():
             return default_dropout(x, p, train)
-        keep = torch.rand(x.shape, dtype=torch.float32, device=x.device) > p
+        keep = _uniform_below(x, 1.0 - p)
         return keep * x * float(1.0 / (1.0 - p)), keep
 
     table[aten.bernoulli_.float] = _bernoulli_inplace
     table[aten.bernoulli.p] = _bernoulli
     table[aten.native_dropout.default] = native_dropout
     return _DecompositionTable(table)
-
-
-def _default_rank() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank()
-    return 0
 
 
 class CompiledStep:
@@ -273,7 +267,7 @@ class CompiledStep:
                 "into the state's tensors; use the state that call returned (or jit(..., donate=False))"
             )
         if self.seed and hasattr(state, "rng"):
-            rank = self.rank if self.rank is not None else _default_rank()
+            rank = self.rank if self.rank is not None else distributed_rank()
             _seed_generators(random.step_seed(state.rng, state.step, rank), _device_of(state))
         # Dynamo stops compiling (and silently runs eagerly) after ``recompile_limit`` compiles; lift it
         # so that max_compiles decides. Set and restored by hand: config.patch costs ~5x more per call.
