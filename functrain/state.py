@@ -38,6 +38,10 @@ def model_variables(
     - ``tied``: ``(alias, canonical)`` name pairs for tensors registered under several names;
     - ``non_persistent``: buffer names that ``state_dict()`` leaves out.
     """
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().clone() if copy else t.detach()
+
     params: dict[str, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}
     first_name: dict[int, str] = {}
@@ -47,7 +51,7 @@ def model_variables(
             tied.append((name, first_name[id(p)]))
             continue
         first_name[id(p)] = name
-        (params if p.requires_grad else buffers)[name] = p.detach().clone() if copy else p.detach()
+        (params if p.requires_grad else buffers)[name] = own(p)
     non_persistent: list[str] = []
     for mod_name, module in model.named_modules(remove_duplicate=False):
         for b_name, b in module.named_buffers(prefix=mod_name, recurse=False, remove_duplicate=False):
@@ -58,7 +62,7 @@ def model_variables(
                     tied.append((b_name, first_name[id(b)]))
                 continue
             first_name[id(b)] = b_name
-            buffers[b_name] = b.detach().clone() if copy else b.detach()
+            buffers[b_name] = own(b)
             if b_name.rsplit(".", 1)[-1] in module._non_persistent_buffers_set:
                 non_persistent.append(b_name)
     return params, buffers, tuple(tied), tuple(non_persistent)
@@ -136,7 +140,8 @@ class TrainState:
         metrics: Any = None,
         copy: bool = True,
     ) -> TrainState:
-        """A fresh state from a module's current weights (copied: the module is not touched).
+        """A fresh state from a module's current weights (copied, so the module is not touched, unless
+        ``copy=False``).
 
         Args:
             model: the ``nn.Module`` whose parameters and buffers start the run.
