@@ -17,10 +17,6 @@ from functrain.data import num_examples
 __all__ = ["LearningRateMonitor", "NonFiniteGuard", "NonFiniteLossError", "Timer"]
 
 
-def _is_log_step(ctx: Context) -> bool:
-    return ctx.logging_step
-
-
 class LearningRateMonitor(Callback):
     """Log the optimizer's hyperparameters (``lr`` and the rest) from ``state.opt_state`` on logging steps.
 
@@ -34,7 +30,7 @@ class LearningRateMonitor(Callback):
         self.names = names  # None: every hyperparameter
 
     def on_step_end(self, state: Any, ctx: Context) -> Any:
-        if _is_log_step(ctx):
+        if ctx.logging_step:
             from functrain.optim import hyperparams
 
             for name, value in hyperparams(state.opt_state).items():
@@ -69,7 +65,7 @@ class Timer(Callback):
         self._steps += 1
         with contextlib.suppress(TypeError, ValueError):  # a batch without tensors: count steps only
             self._samples += num_examples(ctx.batch)
-        if _is_log_step(ctx):
+        if ctx.logging_step:
             now = time.perf_counter()
             dt = max(now - self._t0, 1e-9)
             rate = self._steps / dt
