@@ -448,7 +448,7 @@ class Trainer:
                 "set max_steps instead",
             ) from None
         per_epoch = data.num_batches(
-            n, cfg.batch_size * cfg.gradient_accumulation_steps, cfg.drop_last, _world_size()
+            n, cfg.batch_size * cfg.gradient_accumulation_steps, cfg.drop_last, distributed.world_size()
         )
         return per_epoch * cfg.epochs
 
@@ -513,7 +513,7 @@ class Trainer:
             return data.Loader(dataset)
         from functrain import random
 
-        rank, world = _rank(), _world_size()
+        rank, world = distributed.rank(), distributed.world_size()
         return data.Loader(
             dataset,
             batch_size,
@@ -550,7 +550,7 @@ class Trainer:
         return out + self.extra_callbacks
 
     def _loggers(self, log_dir: Path) -> list[Any]:
-        if _rank() != 0:
+        if distributed.rank() != 0:
             return []
         cfg = self.config
         loggers: list[Any] = []
@@ -599,7 +599,3 @@ class Trainer:
         target: Mapping[str, torch.Tensor], saved: Mapping[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         return {k: saved[k].to(v.device) for k, v in target.items()}
-
-
-_rank = distributed.rank
-_world_size = distributed.world_size

@@ -32,18 +32,11 @@ from functrain.checkpoint import structure
 from functrain.checkpoint.atomic import drop_cached_pages, fsync_directory, is_temporary
 from functrain.checkpoint.errors import CheckpointError
 from functrain.checkpoint.format import CheckpointHeader
+from functrain.distributed.env import is_main_process
 
 __all__ = ["CheckpointManager"]
 
 _NAME = re.compile(r"^step_(\d+)\.ckpt$")
-
-
-def _default_is_writer() -> bool:
-    """Rank 0 writes in a torch.distributed run; a single process always writes."""
-    distributed = torch.distributed
-    if distributed.is_available() and distributed.is_initialized():
-        return distributed.get_rank() == 0
-    return True
 
 
 class CheckpointManager:
@@ -97,7 +90,7 @@ class CheckpointManager:
         self.async_save = async_save
         self.fsync = fsync
         self.chunk_bytes = chunk_bytes
-        self._is_writer = _default_is_writer if is_writer is None else is_writer
+        self._is_writer = is_main_process if is_writer is None else is_writer
         self._headers: dict[str, tuple[tuple[int, int], CheckpointHeader | None]] = {}
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
