@@ -474,7 +474,11 @@ def _hasher() -> ThreadPoolExecutor:
     return _HASHER
 
 
-def _check_crc(pending: tuple[str, int, Future[int]] | None, name: str) -> None:
+# A chunk's checksum being computed in the worker: (where, stored value, the computation), or None.
+_Pending = tuple[str, int, Future[int]] | None
+
+
+def _check_crc(pending: _Pending, name: str) -> None:
     if pending is not None:
         where, stored, computed = pending
         if stored != computed.result():
@@ -498,23 +502,40 @@ def read_tensors(
         ...     header = read_header(f, name=path)
         ...     tensors = [t for _, t in read_tensors(f, header, name=path)]
     """
+    # Each tensor is yielded once its last chunk's checksum (computed in a worker while the next tensor
+    # is read) has been verified: one tensor behind the reading, so one-chunk tensors overlap too.
+    held: tuple[int, torch.Tensor | None, _Pending] | None = None
+    for read in _read_unverified(file, header, name, select):
+        if held is not None:
+            _check_crc(held[2], name)
+            yield held[0], held[1]
+        held = read
+    if held is not None:
+        _check_crc(held[2], name)
+        yield held[0], held[1]
+    if file.read(len(END)) != END:
+        raise CheckpointError(f"{name}: end marker missing or corrupted: the file is truncated or damaged")
+    if file.read(1):
+        raise CheckpointError(f"{name}: unexpected bytes after the end marker")
+
+
+def _read_unverified(
+    file: BinaryIO,
+    header: CheckpointHeader,
+    name: str,
+    select: Callable[[int, TensorInfo], bool] | None,
+) -> Iterator[tuple[int, torch.Tensor | None, _Pending]]:
+    """``(index, tensor, pending check of its last chunk)`` for each tensor; earlier chunks are checked."""
     chunk_bytes = header.chunk_bytes
-    # A tensor is yielded once its last chunk's checksum is verified; that check runs in a worker while
-    # the next tensor's first chunk is read, so the hashing of one-chunk tensors overlaps the I/O too.
-    held: tuple[int, torch.Tensor, tuple[str, int, Future[int]] | None] | None = None
     for index, info in enumerate(header.tensors):
         chunks = -(-info.nbytes // chunk_bytes)
         if select is not None and not select(index, info):
-            if held is not None:
-                _check_crc(held[2], name)
-                yield held[0], held[1]
-                held = None
             file.seek(info.nbytes + _CHUNK_OVERHEAD * chunks, os.SEEK_CUR)
-            yield index, None
+            yield index, None, None
             continue
         result = _empty(info)
         view = memoryview(result.reshape(-1).view(torch.uint8).numpy()) if info.nbytes else memoryview(b"")
-        pending: tuple[str, int, Future[int]] | None = None
+        pending: _Pending = None
         for chunk in range(chunks):
             where = f"tensor {info.path} chunk {chunk + 1}/{chunks}"
             start = chunk * chunk_bytes
@@ -528,20 +549,6 @@ def read_tensors(
                 raise CheckpointError(f"{name}: file is truncated in {where}")
             crc = _read_item(file, _UINT32, name, f"checksum of {where}")
             _check_crc(pending, name)
-            if held is not None:
-                _check_crc(held[2], name)
-                yield held[0], held[1]
-                held = None
             # Reading, unlike writing, gains from hashing chunk i in a worker while chunk i + 1 is read.
             pending = (where, crc, _hasher().submit(_CHECKSUMS[header.checksum], target))
-        if held is not None:  # an empty tensor read no chunk: the one held before it goes first
-            _check_crc(held[2], name)
-            yield held[0], held[1]
-        held = (index, result, pending)
-    if held is not None:
-        _check_crc(held[2], name)
-        yield held[0], held[1]
-    if file.read(len(END)) != END:
-        raise CheckpointError(f"{name}: end marker missing or corrupted: the file is truncated or damaged")
-    if file.read(1):
-        raise CheckpointError(f"{name}: unexpected bytes after the end marker")
+        yield index, result, pending
