@@ -51,6 +51,4 @@ def test_notebook_executes_headless(tmp_path: Path, monkeypatch):
     NotebookClient(
         nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
     ).execute()
-    assert (tmp_path / "curves.png").stat().st_size > 1000
-    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
-    assert not [o for o in outputs if o.get("output_type") == "error"]
+    assert (tmp_path / "curves.png").stat().st_size > 1000  # execute() raised on any error cell

@@ -141,12 +141,14 @@ def test_compiled_matches_eager_trajectory(which):
     torch.testing.assert_close(c_losses, e_losses, rtol=2e-4, atol=2e-5)
     for k in e_state.buffers:
         torch.testing.assert_close(c_state.buffers[k], e_state.buffers[k], rtol=1e-3, atol=1e-4)
-    # Parameters with a mathematically zero gradient (the attention's key bias: softmax ignores a shift
-    # common to all keys) receive Adam steps made of float noise, which differ between any two
-    # implementations; the CNN has none (its conv has no bias before BatchNorm), so compare it fully.
-    if which == "cnn":
-        for k in e_state.params:
-            torch.testing.assert_close(c_state.params[k], e_state.params[k], rtol=1e-3, atol=1e-4)
+    # The attention's key bias has a mathematically zero gradient (softmax ignores a shift common to
+    # all keys), so its Adam steps are float noise that differs between any two implementations:
+    # compare the query and value thirds of in_proj_bias, and every other parameter whole.
+    for k in e_state.params:
+        c, e = c_state.params[k], e_state.params[k]
+        if k.endswith("self_attn.in_proj_bias"):
+            c, e = c.view(3, -1)[[0, 2]], e.view(3, -1)[[0, 2]]
+        torch.testing.assert_close(c, e, rtol=1e-3, atol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
 
 
 @pytest.mark.compile

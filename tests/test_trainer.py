@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_checkpoint_helpers import assert_bit_equal
+from test_resume import jsonl
 from trainer_fixtures import SmallNet, make_dataset
 
 import functrain as ft
-from functrain import checkpoint, tree
+from functrain import checkpoint
 from functrain.cli import main as cli
 
 HERE = Path(__file__).parent
@@ -168,13 +170,9 @@ def test_trainer_killed_and_resumed_is_bit_identical(tmp_path: Path):
     assert out.returncode == 0, out.stderr[-3000:]
     a = checkpoint.restore(full / "final.ckpt")
     b = checkpoint.restore(killed / "final.ckpt")
-    la, lb = tree.leaves(a), tree.leaves(b)
-    assert len(la) == len(lb) and all(
-        torch.equal(x, y) for x, y in zip(la, lb) if isinstance(x, torch.Tensor)
-    )
-    lines = lambda run: [json.loads(s) for s in (run / "logs" / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    assert_bit_equal(b, a)
     strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith(("time/", "memory/"))} for r in rs]  # noqa: E731
-    assert strip(lines(full)) == strip(lines(killed))
+    assert strip(jsonl(full / "logs")) == strip(jsonl(killed / "logs"))
 
 
 # ------------------------------------------------------------------------------------------ CLI
