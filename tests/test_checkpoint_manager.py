@@ -130,16 +130,15 @@ _ZYGOTE = textwrap.dedent(
 )
 
 
-def _read_until(stream, word: str, errors=None) -> list[str]:
+def _read_until(stream, word: str, errors) -> list[str]:
     """The zygote's next line starting with ``word``. A child that ends before saving once (the
     zygote reports it reaped while ``step`` is awaited) fails the test with the child's stderr,
     instead of leaving both processes waiting on each other."""
     while True:
         line = stream.readline().split()
-        where = f"while waiting for {word!r}; stderr:\n{errors.read_text() if errors else ''}"
-        assert line, f"the zygote process ended {where}"
+        assert line, f"the zygote process ended while waiting for {word!r}; stderr:\n{errors.read_text()}"
         assert not (line[0] == "reaped" and word == "step"), (
-            f"a child ended before saving once ({line}) {where}"
+            f"a child ended before saving once ({line}); stderr:\n{errors.read_text()}"
         )
         if line[0] == word:
             return line
@@ -152,14 +151,15 @@ def test_latest_survives_sigkill_at_random_moments(tmp_path):
     folder = str(tmp_path / "run")
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     errors = tmp_path / "zygote-stderr.txt"
-    zygote = subprocess.Popen(
-        [sys.executable, "-c", _ZYGOTE, folder],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=errors.open("w"),
-        env=env,
-        text=True,
-    )
+    with errors.open("w") as stderr:
+        zygote = subprocess.Popen(
+            [sys.executable, "-c", _ZYGOTE, folder],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            env=env,
+            text=True,
+        )
     try:
         last = killed_mid_save = 0
         for _kill in range(20):

@@ -8,16 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchmetrics
-from models import mlp
+from models import classification_batch, mlp
 
 import functrain as ft
 
 
-def dataset(n=50, d=8, classes=3, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, d, generator=g)
-    y = torch.randint(0, classes, (n,), generator=g)
-    return list(zip(x, y))
+def dataset(n=50, seed=0):
+    """``n`` (x, y) examples: models.classification_batch as a list."""
+    return list(zip(*classification_batch(n, seed=seed)))
 
 
 def setup(dropout=0.0):
@@ -64,20 +62,16 @@ class Recorder(ft.callbacks.Callback):
 def test_events_fire_in_the_documented_order(tmp_path):
     _, state, train_step, eval_step = setup()
     rec = Recorder()
-    ft.fit(
-        state,
-        train_step,
-        dataset(40),
+    run = dict(
         batch_size=16,
-        epochs=2,
         eval_step=eval_step,
         eval_data=dataset(20, seed=1),
         eval_batch_size=10,
         checkpoints=tmp_path / "ckpt",
         save_every="epoch",
-        callbacks=[rec],
         progress=False,
     )
+    ft.fit(state, train_step, dataset(40), epochs=2, callbacks=[rec], **run)
     names = [e for e, _ in rec.events]
     one_epoch = (
         ["epoch_begin"]
@@ -89,21 +83,7 @@ def test_events_fire_in_the_documented_order(tmp_path):
     assert names == ["train_begin", *one_epoch, *one_epoch, "train_end"]
     # resuming fires checkpoint_restored right after train_begin, and continues at the saved step
     rec2 = Recorder()
-    result = ft.fit(
-        state,
-        train_step,
-        dataset(40),
-        batch_size=16,
-        epochs=3,
-        eval_step=eval_step,
-        eval_data=dataset(20, seed=1),
-        eval_batch_size=10,
-        checkpoints=tmp_path / "ckpt",
-        save_every="epoch",
-        resume=True,
-        callbacks=[rec2],
-        progress=False,
-    )
+    result = ft.fit(state, train_step, dataset(40), epochs=3, resume=True, callbacks=[rec2], **run)
     assert rec2.events[:3] == [("train_begin", 6), ("checkpoint_restored", 6), ("epoch_begin", 6)]
     assert int(result.state.step) == 9
 
