@@ -23,16 +23,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as common
 
 SAVERS = ("functrain", "functrain+fsync", "torch", "safetensors")
-SCENARIOS = ("overwrite", "new file")
 LOADERS = ("functrain", "torch", "safetensors")
 
 
@@ -51,78 +53,82 @@ def make_state(gib: float):
     return state
 
 
-def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _current_rss_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def worker(operation: str, library: str, path: str, gib: float) -> dict:
-    """Run one operation in this (fresh) process and report its time and memory.
-
-    ``operation`` is "load", "save" (to ``path``) or "save-new": the next file of the folder ``path``
-    (``step_<n>``), the previous one deleted after the timed save as a checkpoint folder keeping one does.
-    """
+def _save(library: str, path: str, state: dict, step: int) -> None:
     import torch
 
-    from functrain import checkpoint, tree
+    from functrain import checkpoint
 
-    flat = None
-    new_file = operation == "save-new"
-    if new_file:
-        operation, folder = "save", path
-        os.makedirs(folder, exist_ok=True)
-        previous = sorted(
-            int(name[5:].split(".")[0]) for name in os.listdir(folder) if name.startswith("step_")
-        )
-        step = previous[-1] + 1 if previous else 1
-        path = os.path.join(folder, f"step_{step}.{'ckpt' if library.startswith('functrain') else 'bin'}")
-    state = make_state(gib) if operation == "save" else None
-    if state is not None and library in ("torch", "safetensors"):
-        flat = {f"params.{k}": v for k, v in state["params"].items()}
-        flat |= {f"buffers.{k}": v for k, v in state["buffers"].items()}
-    state_bytes = tree.num_bytes(state) if state is not None else 0
-    before = _current_rss_bytes()
-    start = time.perf_counter()
-    if operation == "save":
-        if library.startswith("functrain") and new_file:
-            manager = checkpoint.CheckpointManager(folder, max_to_keep=1, fsync=library.endswith("fsync"))
-            manager.save(step, state)
-        elif library.startswith("functrain"):
-            checkpoint.save(path, state, step=10, fsync=library.endswith("fsync"))
-        elif library == "torch":
-            torch.save(flat, path)
-        else:
-            import safetensors.torch
-
-            safetensors.torch.save_file(flat, path)
+    fsync = library.endswith("fsync")
+    if library.startswith("functrain") and os.path.isdir(path):  # a checkpoint folder keeping one
+        checkpoint.CheckpointManager(path, max_to_keep=1, fsync=fsync).save(step, state)
+        return
+    if library.startswith("functrain"):
+        checkpoint.save(path, state, step=step, fsync=fsync)
+        return
+    if os.path.isdir(path):  # a new file in the folder, then the previous one removed: what retention does
+        previous = os.listdir(path)
+        _save(library, os.path.join(path, f"step_{step}.bin"), state, step)
+        for name in previous:
+            os.remove(os.path.join(path, name))
+    elif library == "torch":
+        torch.save(checkpoint.to_state_dict(state), path)
     else:
-        if library == "functrain":
-            loaded = checkpoint.restore(path)
-        elif library == "torch":
-            loaded = torch.load(path, weights_only=True)
-        else:
-            import safetensors.torch
+        import safetensors.torch
 
-            loaded = safetensors.torch.load_file(path)
-        state_bytes = tree.num_bytes(loaded)
-    if new_file and not library.startswith("functrain"):  # what the manager's retention does, timed alike
-        for name in os.listdir(folder):
-            if name != os.path.basename(path):
-                os.remove(os.path.join(folder, name))
+        safetensors.torch.save_file(checkpoint.to_state_dict(state), path)
+
+
+def _load(library: str, path: str) -> object:
+    import torch
+
+    from functrain import checkpoint
+
+    if library == "functrain":
+        return checkpoint.restore(path)
+    if library == "torch":
+        return torch.load(path, weights_only=True)
+    import safetensors.torch
+
+    return safetensors.torch.load_file(path)
+
+
+def worker(operation: str, library: str, path: str, gib: float, step: int) -> dict:
+    """Run one operation in this (fresh) process and report its time and memory.
+
+    ``operation`` is "save" or "load"; a ``path`` that is a folder means "save a new file into it".
+    """
+    from functrain import tree
+
+    state = make_state(gib) if operation == "save" else None
+    before = common.rss_mb()
+    start = time.perf_counter()
+    if state is not None:
+        _save(library, path, state, step)
+    else:
+        loaded = _load(library, path)
     seconds = time.perf_counter() - start
-    peak = _peak_rss_bytes()
+    extra = (common.peak_rss_mb() - before) * 2**20
     # Saving: the state is resident before; loading: the loaded state is what must be resident after.
-    extra = peak - before - (state_bytes if operation == "load" else 0)
+    state_bytes = tree.num_bytes(state if state is not None else loaded)
+    if state is None:
+        extra -= state_bytes
     return {"seconds": seconds, "extra_rss": extra, "state_bytes": state_bytes}
 
 
-def _run_worker(operation: str, library: str, path: str, gib: float) -> dict:
+def _run_worker(operation: str, library: str, path: str, gib: float, step: int) -> dict:
     output = subprocess.run(
-        [sys.executable, __file__, "--worker", operation, library, path, "--gib", str(gib)],
+        [
+            sys.executable,
+            __file__,
+            "--worker",
+            operation,
+            library,
+            path,
+            "--gib",
+            str(gib),
+            "--step",
+            str(step),
+        ],
         check=True,
         capture_output=True,
         text=True,
@@ -143,8 +149,10 @@ def _measurements(folder: str) -> list[tuple[str, str, str, str]]:
     """(label, worker operation, library, path) for every measurement of one repeat, in order."""
     paths = _paths(folder)
     rows = [("save (overwrite)", "save", library, paths[library]) for library in SAVERS]
+    for library in SAVERS:
+        os.makedirs(os.path.join(folder, f"new-{library}"), exist_ok=True)
     rows += [
-        ("save (new file)", "save-new", library, os.path.join(folder, f"new-{library}")) for library in SAVERS
+        ("save (new file)", "save", library, os.path.join(folder, f"new-{library}")) for library in SAVERS
     ]
     rows += [("load", "load", library, paths[library]) for library in LOADERS]
     return rows
@@ -158,17 +166,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--folder", default=None, help="where to write (default: a temporary folder)")
     parser.add_argument("--worker", nargs=3, metavar=("OPERATION", "LIBRARY", "PATH"), help=argparse.SUPPRESS)
+    parser.add_argument("--step", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(*args.worker, args.gib)))
+        print(json.dumps(worker(*args.worker, args.gib, args.step)))
         return
     folder = args.folder or tempfile.mkdtemp(prefix="functrain-bench-")
     measurements = _measurements(folder)
     results: dict[tuple[str, str], list[dict]] = {}
-    for _ in range(args.repeats):  # interleaved, so slow phases of a shared machine hit every library
+    for repeat in range(args.repeats):  # interleaved, so slow phases of a shared machine hit every library
         for label, operation, library, path in measurements:
             os.sync()  # start every measurement with no other file's pages waiting to be written
-            results.setdefault((label, library), []).append(_run_worker(operation, library, path, args.gib))
+            result = _run_worker(operation, library, path, args.gib, step=repeat + 1)
+            results.setdefault((label, library), []).append(result)
     state_bytes = results[("load", "functrain")][0]["state_bytes"]
     print(f"state: {state_bytes / (1 << 30):.2f} GiB, {args.repeats} repeats")
     print()
@@ -183,9 +193,11 @@ def main() -> None:
             seconds = [r["seconds"] for r in runs]
             median, fastest = statistics.median(seconds), min(seconds)
             extra = statistics.median(r["extra_rss"] for r in runs) / state_bytes
-            name = "safetensors (mmap, lazy)" if (label, library) == ("load", "safetensors") else library
+            if (label, library) == ("load", "safetensors"):  # maps the file, reads on first use
+                print(f"| {label} | safetensors (mmap, lazy) | {median:.2f} | {fastest:.2f} | - | - | - |")
+                continue
             print(
-                f"| {label} | {name} | {median:.2f} | {fastest:.2f} | "
+                f"| {label} | {library} | {median:.2f} | {fastest:.2f} | "
                 f"{median / statistics.median(torch_runs):.2f}x | {fastest / min(torch_runs):.2f}x | {extra:.2f}x |"
             )
     if args.folder is None:
