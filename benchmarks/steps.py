@@ -137,7 +137,6 @@ def child(workload_name: str, variant: str, steps: int, jit_kwargs: dict | None)
         "compile_s": first_s - step_s,
         "max_rss_mb": max(startup_peak, common.peak_rss_mb()),
         "steady_peak_mb": steady_peak - base_rss,
-        "base_rss_mb": base_rss,
     }
 
 
@@ -177,16 +176,15 @@ def measure_children(
 
 
 def timing_table(workload: common.Workload, times: dict[str, list[float]], children: dict | None) -> str:
-    medians = {v: common.median_spread(ts)[0] for v, ts in times.items()}
-    best_baseline = min((medians[v] for v in BASELINES if v in medians), default=None)
+    spreads = {v: common.median_spread(ts) for v, ts in times.items()}
+    best_baseline = min((spreads[v][0] for v in BASELINES if v in spreads), default=None)
     header = "| variant | ms/step (median) | IQR | vs best of (a)-(c) |"
     sep = "|---|---:|---:|---:|"
     if children:
         header += " compile cold s | compile warm s | max RSS MB | steady peak MB |"
         sep += "---:|---:|---:|---:|"
     rows = [f"**{workload.name}** — {workload.description}", "", header, sep]
-    for v, ts in times.items():
-        med, lo, hi = common.median_spread(ts)
+    for v, (med, lo, hi) in spreads.items():
         ratio = f"{med / best_baseline:.2f}x" if best_baseline else "-"
         row = f"| {v} | {med:.2f} | {lo:.2f}–{hi:.2f} | {ratio} |"
         if children and v in children:
@@ -254,7 +252,7 @@ def main() -> None:
     if not args.no_children:
         for name in args.memory_workloads:
             print(f"{name}: memory children", flush=True)
-            table = memory_table(name, measure_children(name, args.variants, 3, jit_kwargs))
+            table = memory_table(name, measure_children(name, args.variants, args.steps, jit_kwargs))
             print(table + "\n", flush=True)
             sections.append(table)
     text = "\n\n".join(
