@@ -19,7 +19,6 @@ import datetime
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,9 +45,9 @@ def worker(args: argparse.Namespace) -> None:
         state = distributed.replicate(
             ft.TrainState.create(model, ft.optim.adamw(1e-3), seed=0), device=env.device
         )
-        reducer = distributed.gradient_reducer(model=model)
-        if args.force_reduce:  # the all-reduce path on one process (GPU comparison)
-            reducer.active, reducer.group, reducer.world_size = True, torch.distributed.group.WORLD, 1
+        # --force-reduce: the all-reduce path on one process (GPU comparison), through an explicit group
+        group = torch.distributed.group.WORLD if args.force_reduce else None
+        reducer = distributed.gradient_reducer(model=model, group=group)
         loss_fn = ft.supervised_loss(nn.functional.cross_entropy)
         step = ft.jit(ft.make_train_step(model, loss_fn, gradient_reducer=reducer), compile=args.compile)
         g = torch.Generator().manual_seed(env.rank)
@@ -56,14 +55,13 @@ def worker(args: argparse.Namespace) -> None:
         batch = ft.data.to_device(batch, env.device)
         for _ in range(args.warmup):
             state, metrics = step(state, batch)
-        float(metrics["loss"])
+        if args.warmup:
+            float(metrics["loss"])  # wait for the device
         distributed.barrier()
         start = time.perf_counter()
         for _ in range(args.steps):
             state, metrics = step(state, batch)
         float(metrics["loss"])  # wait for the device
-        if env.device.type == "cuda":
-            torch.cuda.synchronize()
         elapsed = torch.tensor(time.perf_counter() - start)
         if env.is_distributed:
             torch.distributed.all_reduce(elapsed, op=torch.distributed.ReduceOp.MAX)
@@ -83,13 +81,10 @@ def worker(args: argparse.Namespace) -> None:
 def _launch(
     nproc: int, batch: int, threads: int, compile: bool, steps: int, warmup: int, force: bool = False
 ) -> dict:
-    with tempfile.TemporaryDirectory() as tmp, socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
+    with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}",
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
             HERE, "--worker", f"--batch={batch}", f"--threads={threads}", f"--steps={steps}",
             f"--warmup={warmup}", f"--out={out}",
         ] + (["--compile"] if compile else []) + (["--force-reduce"] if force else [])  # fmt: skip
