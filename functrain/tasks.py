@@ -23,8 +23,6 @@ from functrain.trainer import Trainer
 
 __all__ = ["ImageClassificationTrainer", "SegmentationTrainer", "random_hflip", "random_translate"]
 
-AUGMENTATIONS = ("hflip", "translate")
-
 
 def random_hflip(images: torch.Tensor, *others: torch.Tensor, p: float = 0.5) -> tuple[torch.Tensor, ...]:
     """Flip each example left-right with probability ``p`` (the same flip for ``others``, e.g. masks).
@@ -61,6 +59,8 @@ def random_translate(images: torch.Tensor, max_shift: float = 0.125) -> torch.Te
 
 
 class _ImageTask(Trainer):
+    supported_augmentations: tuple[str, ...] = ("hflip", "translate")
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -74,10 +74,11 @@ class _ImageTask(Trainer):
         max_shift: float = 0.125,
         **kwargs: Any,
     ) -> None:
-        unknown = sorted(set(augmentations) - set(AUGMENTATIONS))
-        if unknown:
+        unsupported = sorted(set(augmentations) - set(self.supported_augmentations))
+        if unsupported:
             raise ValueError(
-                f"{type(self).__name__}: unknown augmentations {unknown}; known: {list(AUGMENTATIONS)}"
+                f"{type(self).__name__}: augmentations {unsupported} are not supported; "
+                f"supported: {list(self.supported_augmentations)}"
             )
         if (mean is None) != (std is None):
             raise ValueError(f"{type(self).__name__}: give both mean and std (per channel), or neither")
@@ -128,11 +129,7 @@ class SegmentationTrainer(_ImageTask):
         ...     "JaccardIndex": {"task": "multiclass", "num_classes": 3}}}, train_set, val_set)
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("augmentations", ("hflip",))
-        if "translate" in kwargs["augmentations"]:
-            raise ValueError("SegmentationTrainer: 'translate' would misalign masks; use 'hflip'")
-        super().__init__(*args, **kwargs)
+    supported_augmentations = ("hflip",)  # translate would have to move the masks too
 
     def preprocess(self, batch: Any) -> Any:
         x, y = _inputs_and_target(batch)

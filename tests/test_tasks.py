@@ -87,3 +87,13 @@ def test_segmentation_trainer_pixel_accuracy_and_iou(tmp_path):
     trainer.train()
     results = trainer.evaluate()
     assert results["eval/Accuracy"] > 0.9 and results["eval/JaccardIndex"] > 0.8
+
+
+def test_each_task_refuses_the_augmentations_it_does_not_support(tmp_path):
+    import pytest
+
+    seg = nn.Conv2d(1, 2, 1)
+    with pytest.raises(ValueError, match=r"\['translate'\] are not supported; supported: \['hflip'\]"):
+        SegmentationTrainer(seg, config(tmp_path), augmentations=("translate",))
+    with pytest.raises(ValueError, match=r"\['rotate'\] are not supported"):
+        ImageClassificationTrainer(seg, config(tmp_path), augmentations=("rotate",))
