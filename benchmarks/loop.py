@@ -191,7 +191,8 @@ def main() -> None:
             flush=True,
         )
 
-    # Overhead per repeat (paired: variant and its bare loop ran back to back), then the median.
+    # Overhead per repeat (paired: a variant and its bare loop ran in the same repeat, the order rotating
+    # between repeats so neither always goes first), then the median.
     bare_of = {"ft-fit": "ft-bare", "lightning": "torch-bare"}
     rows = [
         "| variant | ms/step (median) | IQR | overhead vs bare loop (median of paired repeats) | IQR |",
