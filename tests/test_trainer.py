@@ -280,27 +280,15 @@ def test_cli_under_torchrun_two_processes(tmp_path: Path):
 
 def test_every_config_field_is_consumed():
     """No field is accepted and ignored: each one is read by the Trainer or the command line."""
-    import dataclasses
     import re
+
+    from functrain.config.section import leaf_paths
 
     sources = "".join(
         (HERE.parent / "functrain" / f).read_text() for f in ("trainer.py", "cli.py", "demo.py")
     )
-
-    def fields(cls, prefix=""):
-        for f in dataclasses.fields(cls):
-            yield prefix + f.name
-            sub = getattr(cls, "__dataclass_fields__", {}).get(f.name)
-            default = (
-                sub.default_factory()
-                if sub and sub.default_factory is not dataclasses.MISSING
-                else sub.default
-            )
-            if dataclasses.is_dataclass(default):
-                yield from fields(type(default), prefix + f.name + ".")
-
     unread = []
-    for path in fields(ft.TrainerConfig):
+    for path in leaf_paths(ft.TrainerConfig):  # sections expanded, optional ones (early_stopping) too
         name = path.rsplit(".", 1)[-1]
         if not re.search(rf"\.(resolved_)?{name}\b", sources):
             unread.append(path)
