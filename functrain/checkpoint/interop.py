@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
 
-from functrain.checkpoint.atomic import TMP_MARKER, atomic_write
+from functrain.checkpoint.atomic import atomic_write, temporary_path
 from functrain.checkpoint.errors import CheckpointError
 from functrain.checkpoint.sources import import_safetensors, load_weights
 
@@ -84,7 +83,7 @@ def export(
         safetensors_torch = import_safetensors()
         unshared = {name: (t.clone() if name in tied else t.contiguous()) for name, t in state_dict.items()}
         # save_file takes a path, not a file object: write beside the output and rename, as atomic_write does.
-        temporary = f"{os.fspath(output)}{TMP_MARKER}{secrets.token_hex(6)}"
+        temporary = temporary_path(output)
         try:
             safetensors_torch.save_file(unshared, temporary)
             os.replace(temporary, output)

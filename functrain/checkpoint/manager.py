@@ -1,9 +1,11 @@
 """A folder of checkpoints: atomic (optionally asynchronous) saves, retention rules, latest and best.
 
 Each checkpoint is one file ``step_<step>.ckpt`` written through a temporary file and a rename, so the
-folder only ever holds complete checkpoints under their final names; temporary files a killed process
-left behind are removed when the next manager starts. Metrics live in each file's header and are read
-without loading tensors.
+folder only ever holds complete checkpoints under their final names. Only saving modifies the folder:
+opening a manager, ``latest()``, ``restore()`` and the other queries never create or delete anything, so a
+run can be evaluated while it trains, and read from read-only media. A writer's first save removes the
+temporary files that other writers provably abandoned (see :func:`functrain.checkpoint.atomic.is_abandoned`).
+Metrics live in each file's header and are read without loading tensors.
 
 Example:
     >>> import tempfile, torch
@@ -20,6 +22,7 @@ import contextlib
 import os
 import re
 import threading
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
@@ -29,7 +32,7 @@ import torch
 from functrain.checkpoint import file as checkpoint_file
 from functrain.checkpoint import format as fmt
 from functrain.checkpoint import structure
-from functrain.checkpoint.atomic import drop_cached_pages, fsync_directory, is_temporary
+from functrain.checkpoint.atomic import TMP_MARKER, drop_cached_pages, fsync_directory, is_abandoned
 from functrain.checkpoint.errors import CheckpointError
 from functrain.checkpoint.format import CheckpointHeader
 from functrain.distributed.env import is_main_process
@@ -95,9 +98,7 @@ class CheckpointManager:
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._closed = False
-        if self.is_writer:
-            os.makedirs(self.directory, exist_ok=True)
-            self._remove_temporary_files()
+        self._prepared = False  # the folder exists and abandoned temporary files are gone (first save)
 
     # ----------------------------------------------------------------------------------------- queries
 
@@ -230,6 +231,15 @@ class CheckpointManager:
             self._failure = error
 
     def _write(self, step: int, node: Any, tensors: list[Any], metrics: Any, metadata: Any) -> None:
+        if not self._prepared:
+            try:
+                os.makedirs(self.directory, exist_ok=True)
+            except OSError as error:
+                raise CheckpointError(
+                    f"{self.directory}: cannot create the checkpoint folder: {error}"
+                ) from error
+            self._remove_abandoned_temporary_files()
+            self._prepared = True
         # Earlier checkpoints are on disk and rarely read again: give their page cache to the new file
         # (on a VM, fresh pages cost ~2 s/GiB to fault in; see atomic.drop_cached_pages).
         for earlier in self.all_steps():
@@ -266,11 +276,21 @@ class CheckpointManager:
         if removed and self.fsync:
             fsync_directory(self.directory)
 
-    def _remove_temporary_files(self) -> None:
+    def _remove_abandoned_temporary_files(self) -> None:
+        """Remove the temporary checkpoint files whose writers are provably gone (best effort).
+
+        Another process may be saving into this folder right now (a second writer); its temporary file
+        is live and stays. A file that cannot be removed stays too: it is never read as a checkpoint.
+        """
+        now = time.time()
         for name in os.listdir(self.directory):
-            if is_temporary(name) and _NAME.match(name.split(".tmp-")[0]):
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(os.path.join(self.directory, name))
+            prefix, marker, _ = name.partition(TMP_MARKER)
+            if not (marker and _NAME.match(prefix)):
+                continue
+            path = os.path.join(self.directory, name)
+            with contextlib.suppress(OSError):
+                if is_abandoned(path, now=now, mtime=os.stat(path).st_mtime):
+                    os.remove(path)
 
     def wait_until_finished(self) -> None:
         """Block until the save in flight (if any) is written; raise its error if it failed."""
