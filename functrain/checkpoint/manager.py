@@ -135,7 +135,9 @@ class CheckpointManager:
         """The header of the checkpoint at ``step`` (cached; no tensor is read)."""
         header = self._cached_header(step)
         if header is None:
-            raise CheckpointError(f"{self.path(step)}: no readable checkpoint at step {step}")
+            if os.path.exists(self.path(step)):
+                return checkpoint_file.read_header(self.path(step))  # raises what is wrong with it
+            raise CheckpointError(f"{self.path(step)}: no checkpoint at step {step}")
         return header
 
     def metrics(self, step: int) -> dict[str, Any]:
