@@ -11,6 +11,8 @@ import zlib
 import msgpack
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from functrain import checkpoint
 from functrain.checkpoint import format as fmt
@@ -372,3 +374,51 @@ def test_load_state_dict_refuses_pickled_objects_without_torchs_advice(tmp_path)
         assert "refused it with UnpicklingError" in message and "can run arbitrary code" in message
         assert "weights_only=False" not in message and info.value.__suppress_context__
     assert not marker.exists()
+
+
+_MSGPACK_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=8)
+    | st.binary(max_size=8)
+    | st.sampled_from(["crc32", "xxh3_64_low32", "float32", "tensor", "dict", "w"]),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=4), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+_TENSOR_ROWS = st.lists(
+    st.tuples(
+        st.text(max_size=3) | _MSGPACK_VALUES,
+        st.sampled_from(["float32", "int64", "bool", "float33"]) | _MSGPACK_VALUES,
+        st.lists(st.integers(min_value=-2, max_value=2**64 - 1) | _MSGPACK_VALUES, max_size=4)
+        | _MSGPACK_VALUES,
+        st.integers(min_value=-1, max_value=2**64 - 1) | _MSGPACK_VALUES,
+    ).map(list),
+    max_size=3,
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    changes=st.dictionaries(
+        st.sampled_from(sorted(_header({}))),
+        _MSGPACK_VALUES | _TENSOR_ROWS,
+        max_size=3,
+    ),
+    removed=st.sets(st.sampled_from(sorted(_header({}))), max_size=2),
+)
+def test_fuzzed_header_fields_raise_only_checkpoint_errors(tmp_path, changes, removed):
+    """Any values in any header fields: each entry point works or raises CheckpointError naming the file."""
+    header = _header(changes)
+    for key in removed:
+        header.pop(key, None)
+    path = tmp_path / "fuzz.ckpt"
+    path.write_bytes(_crafted({}, GOOD_BODY, raw_header=msgpack.packb(header, use_bin_type=True)))
+    for read in (checkpoint.read_header, checkpoint.restore, checkpoint.load_state_dict):
+        try:
+            read(path)
+        except CheckpointError as error:
+            assert str(error).startswith(str(path)), error
