@@ -34,7 +34,6 @@ __all__ = [
     "drop_cached_pages",
     "fsync_directory",
     "is_abandoned",
-    "is_temporary",
     "temporary_path",
 ]
 
@@ -113,11 +112,6 @@ def is_abandoned(path: str | os.PathLike[str], *, now: float, mtime: float) -> b
         if boot == _boot() and _process_exists(pid) is False:
             return True
     return now - mtime > ABANDONED_AFTER_SECONDS
-
-
-def is_temporary(filename: str) -> bool:
-    """True for a name :func:`atomic_write` uses while writing (a leftover after a crash)."""
-    return TMP_MARKER in filename
 
 
 def fsync_directory(directory: str) -> None:

@@ -427,13 +427,14 @@ def _tensor_info(row: Any, name: str) -> TensorInfo:
         raise CheckpointError(f"{where}: {error}") from None
     if not (isinstance(shape, list) and len(shape) <= 64 and all(type(d) is int and d >= 0 for d in shape)):
         raise CheckpointError(f"{where}: malformed shape {shape!r:.200}; dimensions are non-negative ints")
-    # torch computes a tensor's strides (a dimension of size 0 counts as 1) and byte sizes in int64
-    if math.prod(max(d, 1) for d in shape) * dtype.itemsize > _MAX_INT64:
+    expected = math.prod(shape) * dtype.itemsize
+    # torch computes strides (a dimension of size 0 counts as 1) and byte sizes in int64. A non-empty
+    # tensor's are at most its byte size, which read_header bounds by the file's size.
+    if expected == 0 and math.prod(max(d, 1) for d in shape) * dtype.itemsize > _MAX_INT64:
         raise CheckpointError(
             f"{where}: shape {shape!r:.200} of {dtype_name} is impossible: its sizes or strides overflow "
             "64-bit integers"
         )
-    expected = math.prod(shape) * dtype.itemsize
     if type(nbytes) is not int or nbytes != expected:
         raise CheckpointError(
             f"{where}: shape {shape} of {dtype_name} needs {expected} bytes but the header says {nbytes!r:.50}"
