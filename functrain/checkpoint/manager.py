@@ -52,7 +52,9 @@ class CheckpointManager:
     With ``async_save=True``, :meth:`save` returns once tensors are copied to host memory and the file is
     written by a background thread; at most one save is in flight, and a failure in the background is
     raised by the next :meth:`save`, :meth:`wait_until_finished` or :meth:`close`. Only the process for
-    which ``is_writer`` is true writes (default: rank 0 of torch.distributed, else this process).
+    which ``is_writer`` is true writes (default: rank 0 of torch.distributed, else this process), and only
+    when it saves: opening a manager and every query or restore leave the folder untouched (it need not
+    exist, and may be read-only), so another process can read a run while it trains.
 
     Example:
         >>> with CheckpointManager("runs/a", max_to_keep=3, best_metric="val_loss") as manager:  # doctest: +SKIP
