@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -186,12 +187,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     from functrain.config import ConfigError
 
-    args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args) or 0)
-    except (ConfigError, FileExistsError, FileNotFoundError) as err:
-        print(f"functrain {args.command}: {err}", file=sys.stderr)
-        return 2
+        args = build_parser().parse_args(argv)
+        try:
+            status = int(args.func(args) or 0)
+        except (ConfigError, FileExistsError, FileNotFoundError) as err:
+            print(f"functrain {args.command}: {err}", file=sys.stderr)
+            return 2
+        sys.stdout.flush()  # a short output meets a closed pipe only here
+        return status
+    except BrokenPipeError:
+        return _stdout_closed()
+
+
+def _stdout_closed() -> int:
+    """Stdout's reader left (``functrain inspect CKPT | head``): stop quietly, as Unix tools do.
+
+    What is still buffered goes to devnull, so that Python's flush at exit does not fail again. The
+    status is 141 (128 + SIGPIPE), what a shell reports for a tool that a closed pipe ended, e.g.
+    ``yes | head``: the output was cut short, so not 0, and ``set -o pipefail`` treats both alike.
+    """
+    with contextlib.suppress(OSError, ValueError):  # stdout is not a file descriptor (replaced, or closed)
+        stdout = sys.stdout.fileno()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stdout)
+        os.close(devnull)
+    return 141
 
 
 if __name__ == "__main__":

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import io
+import os
+import subprocess
+import sys
 
 import torch
 
 from functrain import checkpoint
 from functrain.checkpoint.cli import register
+from functrain.cli import main
 
 
 def _run(*argv: str) -> int:
@@ -48,3 +53,41 @@ def test_bad_checkpoint_is_an_error_message_and_status_1(tmp_path, capsys):
     (tmp_path / "bad.ckpt").write_bytes(b"nonsense")
     assert _run("inspect", str(tmp_path / "bad.ckpt")) == 1
     assert "not a functrain checkpoint" in capsys.readouterr().err
+
+
+def test_inspect_into_a_closed_pipe_exits_quietly(tmp_path):
+    """`functrain inspect CKPT | head -1`: no BrokenPipeError traceback, status 141 (128 + SIGPIPE)."""
+    state = {f"layer{i}.weight": torch.zeros(1) for i in range(3000)}  # ~200 KiB of output: more than a pipe
+    checkpoint.save(tmp_path / "s.ckpt", state, fsync=False)
+    command = [sys.executable, "-m", "functrain", "inspect", str(tmp_path / "s.ckpt")]
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert process.stdout.readline().startswith(b"checkpoint: ")
+    process.stdout.close()  # what head does after its first line
+    errors = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 141, errors
+    assert errors == ""
+
+
+class _ClosedPipe(io.StringIO):
+    """A stdout whose reader has gone: writing (``on="write"``) or flushing fails with EPIPE."""
+
+    def __init__(self, on: str) -> None:
+        super().__init__()
+        self.on = on
+
+    def write(self, text):
+        if self.on == "write":
+            raise BrokenPipeError(32, "Broken pipe")
+        return super().write(text)
+
+    def flush(self):
+        if self.on == "flush":
+            raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_closed_stdout_ends_main_with_141(monkeypatch, tmp_path):
+    checkpoint.save(tmp_path / "s.ckpt", {"w": torch.ones(2)}, fsync=False)
+    for on in ("write", "flush"):  # a long output fails while printing; a short one at the final flush
+        monkeypatch.setattr(sys, "stdout", _ClosedPipe(on))
+        assert main(["inspect", str(tmp_path / "s.ckpt")]) == 141

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import builtins
 import os
+import pathlib
 import random
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+import types
 
 import pytest
 import torch
 
-from functrain.checkpoint import CheckpointError, CheckpointManager
+from functrain.checkpoint import CheckpointError, CheckpointManager, atomic
 
 
 def _save_steps(manager, losses):
@@ -62,14 +66,145 @@ def test_empty_folder_has_no_latest(tmp_path):
         manager.restore("latest")
 
 
-def test_leftover_temporary_files_are_removed_and_never_latest(tmp_path):
+def _dead_pid() -> int:
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return process.pid
+
+
+def _leftover(manager, step: int, owner: str, *, age: float = 0.0):
+    """A temporary file of ``step`` as a writer described by ``owner`` (host-boot-pid) left it."""
+    path = manager.path(step) + f".tmp-{owner}-0123abcd"
+    with open(path, "wb") as f:
+        f.write(b"partial")
+    os.utime(path, (time.time() - age, time.time() - age))
+    return path
+
+
+def test_leftover_temporary_files_are_never_latest_and_survive_readers(tmp_path):
     manager = CheckpointManager(tmp_path, fsync=False)
     manager.save(1, {"w": torch.ones(2)})
-    leftover = tmp_path / (os.path.basename(manager.path(2)) + ".tmp-abc123")
-    leftover.write_bytes(b"partial")
+    leftover = _leftover(manager, 2, f"{atomic._host()}-{atomic._boot()}-{_dead_pid()}")
     assert manager.latest() == 1
-    CheckpointManager(tmp_path)
-    assert not leftover.exists() and (tmp_path / os.path.basename(manager.path(1))).exists()
+    reader = CheckpointManager(tmp_path)
+    assert reader.latest() == 1 and torch.equal(reader.restore("latest")["w"], torch.ones(2))
+    assert os.path.exists(leftover), "a reader removed a file"
+    CheckpointManager(tmp_path, fsync=False).save(3, {"w": torch.ones(2)})  # a writer's first save
+    assert not os.path.exists(leftover) and os.path.exists(manager.path(1))
+
+
+def test_a_writer_removes_only_provably_abandoned_temporary_files(tmp_path):
+    manager = CheckpointManager(tmp_path, fsync=False, max_to_keep=None)
+    here, boot = atomic._host(), atomic._boot()
+    old = atomic.ABANDONED_AFTER_SECONDS + 60
+    other_host = "0" * 8 if here != "0" * 8 else "1" * 8
+    removed = [
+        _leftover(manager, 1, f"{here}-{boot}-{_dead_pid()}"),  # this host, its writer has exited
+        _leftover(
+            manager, 2, f"{other_host}-{boot}-{os.getpid()}", age=old
+        ),  # another host, untouched for long
+        _leftover(manager, 3, "abc123", age=old),  # a name without a writer, untouched for long
+    ]
+    if boot != "0" * 8:
+        earlier_boot = "f" * 8 if boot != "f" * 8 else "e" * 8
+        removed.append(_leftover(manager, 4, f"{here}-{earlier_boot}-{os.getpid()}"))  # before a reboot
+    kept = [
+        _leftover(manager, 5, f"{here}-{boot}-{os.getppid()}"),  # its writer is alive: a save in progress
+        _leftover(
+            manager, 6, f"{other_host}-{boot}-{_dead_pid()}"
+        ),  # another host: its pids mean nothing here
+        _leftover(manager, 7, "abc123"),  # no writer named, written recently
+    ]
+    foreign = tmp_path / "notes.txt.tmp-abc123"  # not a checkpoint's temporary file: never touched
+    foreign.write_bytes(b"x")
+    os.utime(foreign, (time.time() - old, time.time() - old))
+    manager.save(10, {"w": torch.ones(2)})
+    assert [p for p in removed if os.path.exists(p)] == []
+    assert [p for p in kept if not os.path.exists(p)] == [] and foreign.exists()
+    assert manager.all_steps() == [10]
+
+
+def test_a_leftover_that_cannot_be_removed_does_not_stop_a_save(tmp_path, monkeypatch):
+    manager = CheckpointManager(tmp_path, fsync=False)
+    leftover = _leftover(manager, 1, f"{atomic._host()}-{atomic._boot()}-{_dead_pid()}")
+
+    def refuse(path, *args, **kwargs):
+        if ".tmp-" in os.fspath(path) and "0123abcd" in os.fspath(path):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_remove(path, *args, **kwargs)
+
+    real_remove = os.remove
+    monkeypatch.setattr(os, "remove", refuse)
+    manager.save(2, {"w": torch.ones(2)})
+    assert manager.latest() == 2 and os.path.exists(leftover)
+
+
+class _Modified(AssertionError):
+    pass
+
+
+def _forbid_modifications(monkeypatch) -> None:
+    """Make every call that creates, removes or renames a file, or opens one for writing, fail loudly
+    (a read-only folder that even root cannot write to)."""
+
+    def refuse(name):
+        def call(*args, **kwargs):
+            raise _Modified(f"a reader called {name}{args}")
+
+        return call
+
+    for name in (
+        "remove",
+        "unlink",
+        "rmdir",
+        "removedirs",
+        "rename",
+        "renames",
+        "replace",
+        "mkdir",
+        "makedirs",
+    ):
+        monkeypatch.setattr(os, name, refuse(f"os.{name}"))
+    monkeypatch.setattr(shutil, "rmtree", refuse("shutil.rmtree"))
+    monkeypatch.setattr(pathlib.Path, "unlink", refuse("Path.unlink"))
+    real_open = builtins.open
+
+    def read_only_open(file, mode="r", *args, **kwargs):
+        if any(flag in mode for flag in "wax+"):
+            raise _Modified(f"a reader opened {file!r} with mode {mode!r}")
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", read_only_open)
+
+
+def test_reading_a_read_only_folder_with_a_stale_temporary_file(tmp_path, monkeypatch):
+    """Opening, latest(), best(), restore() and `functrain eval`'s checkpoint lookup never modify the folder."""
+    from functrain.cli import _latest_checkpoint
+
+    folder = tmp_path / "run"
+    writer = CheckpointManager(folder, fsync=False, best_metric="loss")
+    _save_steps(writer, {1: 0.5, 2: 0.7})
+    stale = _leftover(writer, 3, f"{atomic._host()}-{atomic._boot()}-{_dead_pid()}", age=10 * 86400)
+    before = sorted(os.listdir(folder))
+    folder.chmod(0o555)  # read-only for everyone but root (the tests may run as root: hence the patches)
+    try:
+        _forbid_modifications(monkeypatch)
+        manager = CheckpointManager(folder, best_metric="loss")
+        assert manager.all_steps() == [1, 2] and manager.latest() == 2 and manager.best() == 1
+        assert torch.equal(manager.restore("latest")["w"], torch.full((3,), 2.0))
+        assert torch.equal(manager.restore("best")["w"], torch.full((3,), 1.0))
+        assert manager.metrics(1) == {"loss": 0.5} and manager.header(2).step == 2
+        manager.close()
+        config = types.SimpleNamespace(
+            output_dir=str(tmp_path), checkpoints_dir="run", load_best_model_at_end=False
+        )
+        assert _latest_checkpoint(types.SimpleNamespace(config=config)) == manager.path(2)
+        assert CheckpointManager(tmp_path / "missing").latest() is None
+        monkeypatch.undo()
+    finally:
+        folder.chmod(0o755)
+    assert sorted(os.listdir(folder)) == before and os.path.exists(stale)
+    assert not (tmp_path / "missing").exists()
 
 
 def test_unreadable_checkpoint_is_not_latest(tmp_path):
@@ -162,24 +297,74 @@ def test_latest_survives_sigkill_at_random_moments(tmp_path):
         )
     try:
         last = killed_mid_save = 0
+        previous = None
         for _kill in range(20):
             zygote.stdin.write("go\n")
             zygote.stdin.flush()
             child = int(_read_until(zygote.stdout, "child", errors)[1])
             _read_until(zygote.stdout, "step", errors)  # at least one checkpoint of this round is complete
+            # The new writer's first save removed what the killed one left; nothing else is temporary.
+            left = [name for name in os.listdir(folder) if ".tmp-" in name]
+            assert not [name for name in left if f"-{previous}-" in name], left
             time.sleep(rng.uniform(0.0, 0.8))
             os.kill(child, signal.SIGKILL)
             _read_until(zygote.stdout, "reaped", errors)
-            killed_mid_save += any(".tmp-" in name for name in os.listdir(folder))
+            left = [name for name in os.listdir(folder) if ".tmp-" in name]
+            killed_mid_save += bool(left)
             manager = CheckpointManager(folder)
             latest = manager.latest()
             assert latest is not None and latest > last
             restored = manager.restore("latest")
             assert restored["step"] == latest and restored["big"].shape == (50 << 20,)
             assert bool((restored["big"] == float(latest)).all())
-            assert not [name for name in os.listdir(folder) if ".tmp-" in name]
-            last = latest
+            assert [name for name in os.listdir(folder) if ".tmp-" in name] == left  # readers delete nothing
+            last, previous = latest, child
         assert killed_mid_save >= 3, "too few kills landed while a checkpoint was being written"
     finally:
         zygote.kill()
         zygote.wait()
+
+
+# A reader that opens the folder as `functrain eval` does, as fast as it can, until told to stop.
+_READER = textwrap.dedent(
+    """
+    import os, sys, torch
+    from functrain.checkpoint import CheckpointManager
+    folder, stop = sys.argv[1], sys.argv[2]
+    opened = restored = 0
+    print("ready", flush=True)
+    while not os.path.exists(stop):
+        manager = CheckpointManager(folder)
+        opened += 1
+        if opened % 10 == 0 and (step := manager.latest()) is not None:
+            state = manager.restore(step)
+            assert bool((state["w"] == float(step)).all()), step
+            restored += 1
+    print("opened", opened, "restored", restored, flush=True)
+    """
+)
+
+
+def test_readers_never_break_a_running_writer(tmp_path):
+    """A process opening the manager in a loop while this one saves 20 times: every save lands."""
+    folder, stop = tmp_path / "run", tmp_path / "stop"
+    folder.mkdir()
+    reader = subprocess.Popen(
+        [sys.executable, "-c", _READER, str(folder), str(stop)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=dict(os.environ, PYTHONPATH=os.getcwd()),
+        text=True,
+    )
+    try:
+        assert reader.stdout.readline().split() == ["ready"], reader.stderr.read()
+        manager = CheckpointManager(folder, max_to_keep=None)  # fsync: each save's temp file lives longer
+        for step in range(1, 21):
+            manager.save(step, {"w": torch.full((1 << 20,), float(step))})
+    finally:
+        stop.touch()
+        out, err = reader.communicate(timeout=120)
+    assert reader.returncode == 0, err
+    assert manager.all_steps() == list(range(1, 21))
+    opened = int(out.split()[1])
+    assert opened >= 20, out

@@ -1,8 +1,10 @@
 """Atomic file replacement: write to a temporary file beside the target, fsync, rename, fsync the folder.
 
 A reader (or a process restarted after a crash) sees either the old file or the complete new one, never
-a partial file under the final name. Temporary names end in ``.tmp-<random>`` so that a
-:class:`~functrain.checkpoint.CheckpointManager` can clean up what a killed process left behind.
+a partial file under the final name. A temporary name says who writes it,
+``<target>.tmp-<host>-<boot>-<pid>-<random>`` (hashes of the host name and pid namespace, and of the boot
+id), so that a later *writer* can tell a file whose writer is gone (:func:`is_abandoned`) from one being
+written right now by another process, and remove only the former. Readers never remove anything.
 
 Example:
     >>> import os, tempfile
@@ -16,19 +18,100 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import os
+import re
 import secrets
+import socket
 from collections.abc import Iterator
 from typing import BinaryIO
 
-__all__ = ["TMP_MARKER", "atomic_write", "drop_cached_pages", "fsync_directory", "is_temporary"]
+__all__ = [
+    "ABANDONED_AFTER_SECONDS",
+    "TMP_MARKER",
+    "atomic_write",
+    "drop_cached_pages",
+    "fsync_directory",
+    "is_abandoned",
+    "temporary_path",
+]
 
 TMP_MARKER = ".tmp-"
+# A temporary file nobody has written to for this long is abandoned even when its writer cannot be checked
+# (another host, an older functrain's name). A live writer touches its file with every chunk it writes.
+ABANDONED_AFTER_SECONDS = 3600.0
+_OWNED = re.compile(r"\.tmp-([0-9a-f]{8})-([0-9a-f]{8})-([0-9]+)-[0-9a-f]+$")
+_UNKNOWN_BOOT = "0" * 8
 
 
-def is_temporary(filename: str) -> bool:
-    """True for a name :func:`atomic_write` uses while writing (a leftover after a crash)."""
-    return TMP_MARKER in filename
+@functools.cache
+def _host() -> str:
+    """This host and pid namespace, hashed: pids are comparable only between files with the same value."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = ""
+    return hashlib.blake2s(f"{socket.gethostname()}\0{namespace}".encode(), digest_size=4).hexdigest()
+
+
+@functools.cache
+def _boot() -> str:
+    """This boot of the kernel (Linux), hashed; a file from an earlier boot has no live writer."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as file:
+            return hashlib.blake2s(file.read().strip(), digest_size=4).hexdigest()
+    except OSError:
+        return _UNKNOWN_BOOT
+
+
+def temporary_path(path: str | os.PathLike[str]) -> str:
+    """A fresh temporary name beside ``path`` that records this process as its writer.
+
+    Example:
+        >>> temporary_path("run/step_1.ckpt").startswith("run/step_1.ckpt.tmp-")
+        True
+    """
+    return f"{os.fspath(path)}{TMP_MARKER}{_host()}-{_boot()}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _process_exists(pid: int) -> bool | None:
+    """Whether ``pid`` is a live process here; ``None`` where that cannot be asked safely."""
+    if os.name == "nt":  # os.kill(pid, 0) would terminate the process there
+        return None
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    except (OSError, OverflowError):
+        return None
+    return True
+
+
+def is_abandoned(path: str | os.PathLike[str], *, now: float, mtime: float) -> bool:
+    """Whether the temporary file ``path`` (last modified at ``mtime``) is provably not being written.
+
+    True when its name says it was written on this host by a process that no longer exists, or during an
+    earlier boot; otherwise (another host, a live writer, a name without a writer) only when it was not
+    modified for :data:`ABANDONED_AFTER_SECONDS`.
+
+    Example:
+        >>> import time
+        >>> is_abandoned(temporary_path("a.ckpt"), now=time.time(), mtime=time.time())
+        False
+    """
+    match = _OWNED.search(os.fspath(path))
+    if match is not None and match.group(1) == _host():
+        boot, pid = match.group(2), int(match.group(3))
+        if _UNKNOWN_BOOT not in (boot, _boot()) and boot != _boot():
+            return True
+        if boot == _boot() and _process_exists(pid) is False:
+            return True
+    return now - mtime > ABANDONED_AFTER_SECONDS
 
 
 def fsync_directory(directory: str) -> None:
@@ -84,7 +167,7 @@ def atomic_write(path: str | os.PathLike[str], *, fsync: bool = True) -> Iterato
     """
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    temporary = f"{path}{TMP_MARKER}{secrets.token_hex(6)}"
+    temporary = temporary_path(path)
     drop_cached_pages(path)  # the file being replaced: its cached pages are better spent on the new one
     try:
         with open(temporary, "wb") as file:

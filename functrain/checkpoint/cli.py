@@ -20,17 +20,9 @@ from typing import Any
 from functrain.checkpoint.errors import CheckpointError
 from functrain.checkpoint.file import read_header
 from functrain.checkpoint.interop import export
+from functrain.checkpoint.memory import human_size
 
 __all__ = ["register"]
-
-
-def _size(nbytes: int) -> str:
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -44,12 +36,13 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"metrics: {json.dumps(header.metrics)}", file=out)
     if header.metadata:
         print(f"metadata: {json.dumps(header.metadata)}", file=out)
-    print(f"tensors: {len(header.tensors)}, {_size(header.num_bytes)}", file=out)
+    print(f"tensors: {len(header.tensors)}, {human_size(header.num_bytes)}", file=out)
     width = max((len(t.path) for t in header.tensors), default=4)
     for info in header.tensors:
         dtype = str(info.dtype).removeprefix("torch.")
         print(
-            f"  {info.path:<{width}}  {dtype:<16} {list(info.shape)!s:<20} {_size(info.nbytes):>10}", file=out
+            f"  {info.path:<{width}}  {dtype:<16} {list(info.shape)!s:<20} {human_size(info.nbytes):>10}",
+            file=out,
         )
     return 0
 

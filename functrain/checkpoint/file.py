@@ -90,7 +90,8 @@ def write_encoded(
         raise CheckpointError(f"{os.fspath(path)}: could not write the checkpoint: {error}") from error
 
 
-def _open(path: PathLike) -> Any:
+def open_for_reading(path: PathLike) -> Any:
+    """``open(path, "rb")``, or a CheckpointError naming the file."""
     try:
         return open(path, "rb")
     except OSError as error:
@@ -105,7 +106,7 @@ def read_header(path: PathLike) -> CheckpointHeader:
         >>> header.step, header.metrics["loss"]  # doctest: +SKIP
         (1000, 0.25)
     """
-    with _open(path) as file:
+    with open_for_reading(path) as file:
         return fmt.read_header(file, name=os.fspath(path))
 
 
@@ -159,15 +160,15 @@ def restore(path: PathLike, target: Any = None) -> Any:
         >>> state = restore("run/step_00001000.ckpt", target=state)  # doctest: +SKIP
     """
     name = os.fspath(path)
-    with _open(path) as file:
+    with open_for_reading(path) as file:
         header = fmt.read_header(file, name=name)
         saved_leaves: list[tuple[structure.Path, Any]] = []
-        structure.decode(header.tree, header.tensors, leaves=saved_leaves)
+        structure.decode(header.tree, header.tensors, leaves=saved_leaves, name=name)
         if target is None:
             loaded: list[torch.Tensor | None] = [None] * len(header.tensors)
             for index, tensor in fmt.read_tensors(file, header, name=name):
                 loaded[index] = tensor
-            return structure.decode(header.tree, loaded)
+            return structure.decode(header.tree, loaded, name=name)
         saved = dict(saved_leaves)
         wanted = dict(structure.leaves_with_paths(target))
         problems = _mismatches(saved, wanted)

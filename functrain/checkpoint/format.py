@@ -51,6 +51,7 @@ import torch
 import functrain
 from functrain import tree
 from functrain.checkpoint.errors import CheckpointError
+from functrain.checkpoint.memory import available_memory, human_size
 from functrain.checkpoint.structure import Path
 
 __all__ = [
@@ -81,6 +82,7 @@ _CHECKSUMS: dict[str, Any] = {"crc32": zlib.crc32, "xxh3_64_low32": _xxh3_low32}
 DEFAULT_CHUNK_BYTES = 64 << 20
 MAX_CHUNK_BYTES = (1 << 32) - 1  # a msgpack bin32 length
 MAX_HEADER_BYTES = 1 << 30
+_MAX_INT64 = (1 << 63) - 1  # torch's sizes, strides and byte offsets are int64
 _BIN32 = 0xC6
 _UINT32 = 0xCE
 _ITEM = struct.Struct(">BI")  # a one-byte msgpack tag and a big-endian uint32: bin32 length or uint32 value
@@ -338,23 +340,77 @@ def _file_size(file: BinaryIO) -> int:
         return size
 
 
-def _check_magic(start: bytes, name: str) -> None:
+REFUSED_PICKLE = (
+    "functrain does not unpickle it: loading a pickle can run arbitrary code. Re-save the state as a "
+    "functrain checkpoint from the code that made it (functrain.checkpoint.save), or its weights as "
+    "safetensors (safetensors.torch.save_file)"
+)
+
+
+def check_magic(start: bytes, name: str) -> None:
+    """Refuse a file that does not start with the checkpoint magic, saying what it looks like instead.
+
+    Example:
+        >>> check_magic(b"PK\\x03\\x04", "model.pt")
+        Traceback (most recent call last):
+        ...
+        functrain.checkpoint.errors.CheckpointError: model.pt: not a functrain checkpoint: ...
+    """
     if start == MAGIC:
         return
     if start[:1] == b"\x80" or start[:2] == b"PK":
         raise CheckpointError(
-            f"{name}: not a functrain checkpoint; it looks like a pickle or torch.save file, which functrain "
-            "never unpickles. For a torch.save file of tensors use functrain.checkpoint.load_state_dict"
+            f"{name}: not a functrain checkpoint: it looks like a pickle or torch.save file, and "
+            + REFUSED_PICKLE
         )
     raise CheckpointError(f"{name}: not a functrain checkpoint (wrong magic bytes {start[:24]!r})")
 
 
-def _field(header: Mapping[str, Any], key: str, kind: type, name: str) -> Any:
-    value = header.get(key)
-    if type(value) is not kind:  # exact: a bool is not an int here
+_MISSING: Any = object()
+
+
+def _field(header: Mapping[str, Any], key: str, kinds: Any, name: str, default: Any = _MISSING) -> Any:
+    """``header[key]``, of exactly one of the types ``kinds`` (a bool is not an int here); ``default``
+    when the key is absent and has one."""
+    value = header.get(key, _MISSING)
+    if value is _MISSING and default is not _MISSING:
+        return default
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    if type(value) not in kinds:
+        expected = " or ".join("None" if kind is type(None) else kind.__name__ for kind in kinds)
+        found = "missing" if value is _MISSING else f"a {type(value).__qualname__}: {value!r:.80}"
+        raise CheckpointError(f"{name}: header field {key!r} must be {expected}, but it is {found}")
+    return value
+
+
+_JSON_LEAVES = (type(None), bool, int, float, str)
+
+
+def _check_json_like(value: Any, where: str, name: str) -> None:
+    """Refuse anything in ``metrics`` / ``metadata`` that :func:`write` would not have put there."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if type(key) not in (str, int):
+                raise CheckpointError(
+                    f"{name}: header field {where} has a key of type {type(key).__qualname__}"
+                )
+            _check_json_like(item, f"{where}[{key!r}]", name)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_json_like(item, f"{where}[{i}]", name)
+    elif type(value) not in _JSON_LEAVES:
         raise CheckpointError(
-            f"{name}: header field {key!r} is missing or has type {type(value).__qualname__}"
+            f"{name}: header field {where} holds a {type(value).__qualname__}; "
+            "metrics and metadata hold only dicts, lists, str, int, float, bool and None"
         )
+
+
+def _json_like_field(header: Mapping[str, Any], key: str, name: str) -> dict[str, Any]:
+    value = _field(header, key, dict, name)
+    try:
+        _check_json_like(value, repr(key), name)
+    except RecursionError:
+        raise CheckpointError(f"{name}: header field {key!r} is nested too deeply") from None
     return value
 
 
@@ -369,11 +425,16 @@ def _tensor_info(row: Any, name: str) -> TensorInfo:
         dtype = dtype_from_name(dtype_name)
     except CheckpointError as error:
         raise CheckpointError(f"{where}: {error}") from None
-    if not (
-        isinstance(shape, list) and len(shape) <= 64 and all(type(d) is int and 0 <= d < 2**62 for d in shape)
-    ):
-        raise CheckpointError(f"{where}: malformed shape {shape!r:.200}")
+    if not (isinstance(shape, list) and len(shape) <= 64 and all(type(d) is int and d >= 0 for d in shape)):
+        raise CheckpointError(f"{where}: malformed shape {shape!r:.200}; dimensions are non-negative ints")
     expected = math.prod(shape) * dtype.itemsize
+    # torch computes strides (a dimension of size 0 counts as 1) and byte sizes in int64. A non-empty
+    # tensor's are at most its byte size, which read_header bounds by the file's size.
+    if expected == 0 and math.prod(max(d, 1) for d in shape) * dtype.itemsize > _MAX_INT64:
+        raise CheckpointError(
+            f"{where}: shape {shape!r:.200} of {dtype_name} is impossible: its sizes or strides overflow "
+            "64-bit integers"
+        )
     if type(nbytes) is not int or nbytes != expected:
         raise CheckpointError(
             f"{where}: shape {shape} of {dtype_name} needs {expected} bytes but the header says {nbytes!r:.50}"
@@ -393,7 +454,7 @@ def read_header(file: BinaryIO, *, name: str) -> CheckpointHeader:
         100
     """
     size = _file_size(file)
-    _check_magic(file.read(len(MAGIC)), name)
+    check_magic(file.read(len(MAGIC)), name)
     header_bytes = _read_item(file, _BIN32, name, "header length")
     if header_bytes > min(MAX_HEADER_BYTES, size):
         raise CheckpointError(f"{name}: header declares {header_bytes} bytes but the file has {size}")
@@ -415,15 +476,21 @@ def read_header(file: BinaryIO, *, name: str) -> CheckpointHeader:
             f"{name}: format version {version} is not supported by this functrain (reads 1..{FORMAT_VERSION}); "
             "upgrade functrain"
         )
-    step = header.get("step")
-    if step is not None and type(step) is not int:
-        raise CheckpointError(f"{name}: header field 'step' has type {type(step).__qualname__}")
-    checksum = header.get("checksum", "crc32")
+    step = _field(header, "step", (int, type(None)), name, default=None)
+    checksum = _field(header, "checksum", str, name, default="crc32")
     if checksum not in _CHECKSUMS:
-        raise CheckpointError(f"{name}: unknown chunk checksum {checksum!r} (known: {sorted(_CHECKSUMS)})")
+        raise CheckpointError(
+            f"{name}: unknown chunk checksum {checksum!r:.80} (known: {sorted(_CHECKSUMS)})"
+        )
     chunk_bytes = _field(header, "chunk_bytes", int, name)
     if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
         raise CheckpointError(f"{name}: header declares chunk_bytes={chunk_bytes}")
+    functrain_version = _field(header, "functrain", str, name, default="?")
+    torch_version = _field(header, "torch", str, name, default="?")
+    created = float(_field(header, "created", (float, int), name, default=0.0))
+    metrics = _json_like_field(header, "metrics", name)
+    metadata = _json_like_field(header, "metadata", name)
+    tree_node = _field(header, "tree", list, name)
     rows = _field(header, "tensors", list, name)
     infos = [_tensor_info(row, name) for row in rows]
     data_offset = len(MAGIC) + _ITEM_BYTES + header_bytes + _ITEM_BYTES
@@ -441,26 +508,61 @@ def read_header(file: BinaryIO, *, name: str) -> CheckpointHeader:
         )
     return CheckpointHeader(
         format_version=version,
-        functrain_version=str(header.get("functrain", "?")),
-        torch_version=str(header.get("torch", "?")),
+        functrain_version=functrain_version,
+        torch_version=torch_version,
         step=step,
-        created=float(header["created"]) if isinstance(header.get("created"), (int, float)) else 0.0,
-        metrics=_field(header, "metrics", dict, name),
-        metadata=_field(header, "metadata", dict, name),
+        created=created,
+        metrics=metrics,
+        metadata=metadata,
         chunk_bytes=chunk_bytes,
         tensors=infos,
-        tree=header.get("tree"),
+        tree=tree_node,
         data_offset=data_offset,
         checksum=checksum,
     )
 
 
-def _empty(info: TensorInfo) -> torch.Tensor:
-    if info.dtype != getattr(torch, "complex32", None):
-        return torch.empty(info.shape, dtype=info.dtype)
-    with warnings.catch_warnings():  # "ComplexHalf support is experimental": not news to a restore
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.empty(info.shape, dtype=info.dtype)
+def _empty(info: TensorInfo, name: str) -> torch.Tensor:
+    try:
+        if info.dtype != getattr(torch, "complex32", None):
+            return torch.empty(info.shape, dtype=info.dtype)
+        with warnings.catch_warnings():  # "ComplexHalf support is experimental": not news to a restore
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.empty(info.shape, dtype=info.dtype)
+    except (RuntimeError, MemoryError) as error:  # the allocator refused: memory is short after all
+        raise CheckpointError(
+            f"{name}: cannot allocate tensor {info.path!r} ({human_size(info.nbytes)}, {info.nbytes} bytes): "
+            f"{error}"
+        ) from None
+
+
+def check_memory(
+    header: CheckpointHeader, *, name: str, select: Callable[[int, TensorInfo], bool] | None = None
+) -> None:
+    """Refuse, before allocating anything, to load tensors whose declared sizes exceed available memory.
+
+    A header's sizes agree with the file's size (checked by :func:`read_header`), but a sparse or
+    crafted file can be that large on disk without holding data. Counts the tensors ``select`` keeps.
+
+    Example:
+        >>> check_memory(header, name="run/step_100.ckpt")  # doctest: +SKIP
+    """
+    chosen = [info for i, info in enumerate(header.tensors) if select is None or select(i, info)]
+    needed = sum(info.nbytes for info in chosen)
+    if not needed:
+        return
+    available = available_memory()
+    if available is None or needed <= available:
+        return
+    largest = max(chosen, key=lambda info: info.nbytes)
+    raise CheckpointError(
+        f"{name}: loading needs {human_size(needed)} ({needed} bytes) for its tensors, "
+        f"{human_size(largest.nbytes)} ({largest.nbytes} bytes) of it for tensor {largest.path!r}, but only "
+        f"{human_size(available)} ({available} bytes) of memory is available (RAM plus swap); nothing was "
+        "allocated. If the file is genuine, load it where there is more memory, or load only the weights "
+        "you need with functrain.checkpoint.load_state_dict(path, wanted=...); a header this large may also "
+        "be crafted or damaged"
+    )
 
 
 _HASHER: ThreadPoolExecutor | None = None
@@ -495,13 +597,16 @@ def read_tensors(
     """Yield ``(index, tensor)`` for every tensor in file order, each checked against its CRCs.
 
     Call right after :func:`read_header`. Tensors for which ``select(index, info)`` is false are skipped
-    (seeked over, not read or checked) and yielded as ``None``. The end marker is checked last.
+    (seeked over, not read or checked) and yielded as ``None``. The end marker is checked last. Before
+    anything is allocated, the selected tensors' total size is checked against available memory
+    (:func:`check_memory`).
 
     Example:
         >>> with open(path, "rb") as f:  # doctest: +SKIP
         ...     header = read_header(f, name=path)
         ...     tensors = [t for _, t in read_tensors(f, header, name=path)]
     """
+    check_memory(header, name=name, select=select)
     # Each tensor is yielded once its last chunk's checksum (computed in a worker while the next tensor
     # is read) has been verified: one tensor behind the reading, so one-chunk tensors overlap too.
     held: tuple[int, torch.Tensor | None, _Pending] | None = None
@@ -533,7 +638,7 @@ def _read_unverified(
             file.seek(info.nbytes + _CHUNK_OVERHEAD * chunks, os.SEEK_CUR)
             yield index, None, None
             continue
-        result = _empty(info)
+        result = _empty(info, name)
         view = memoryview(result.reshape(-1).view(torch.uint8).numpy()) if info.nbytes else memoryview(b"")
         pending: _Pending = None
         for chunk in range(chunks):

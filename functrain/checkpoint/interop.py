@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
 
-from functrain.checkpoint.atomic import TMP_MARKER, atomic_write
+from functrain.checkpoint.atomic import atomic_write, temporary_path
 from functrain.checkpoint.errors import CheckpointError
-from functrain.checkpoint.sources import import_safetensors, load_weights
+from functrain.checkpoint.sources import checkpoint_weights, import_safetensors
 
 __all__ = ["export", "to_state_dict"]
 
@@ -66,13 +65,14 @@ def export(
     """Write the weights of a functrain checkpoint to ``output`` as a torch.save file or safetensors.
 
     Only ``params`` and ``buffers`` are read (tied aliases come from the checkpoint's metadata); the file
-    is written atomically. Safetensors cannot store shared tensors, so there a tied alias is a copy.
+    is written atomically. ``checkpoint`` must be a functrain checkpoint: pickles and torch.save files are
+    refused, never unpickled. Safetensors cannot store shared tensors, so there a tied alias is a copy.
     Returns the exported state_dict.
 
     Example:
         >>> export("run/step_00001000.ckpt", "model.safetensors", format="safetensors")  # doctest: +SKIP
     """
-    weights, metadata = load_weights(checkpoint)
+    weights, metadata = checkpoint_weights(checkpoint)
     tied = metadata.get("tied_parameters") or {}
     if not isinstance(tied, Mapping):
         raise CheckpointError(f"{os.fspath(checkpoint)}: metadata 'tied_parameters' must be a dict of names")
@@ -84,7 +84,7 @@ def export(
         safetensors_torch = import_safetensors()
         unshared = {name: (t.clone() if name in tied else t.contiguous()) for name, t in state_dict.items()}
         # save_file takes a path, not a file object: write beside the output and rename, as atomic_write does.
-        temporary = f"{os.fspath(output)}{TMP_MARKER}{secrets.token_hex(6)}"
+        temporary = temporary_path(output)
         try:
             safetensors_torch.save_file(unshared, temporary)
             os.replace(temporary, output)

@@ -1,9 +1,11 @@
 """A folder of checkpoints: atomic (optionally asynchronous) saves, retention rules, latest and best.
 
 Each checkpoint is one file ``step_<step>.ckpt`` written through a temporary file and a rename, so the
-folder only ever holds complete checkpoints under their final names; temporary files a killed process
-left behind are removed when the next manager starts. Metrics live in each file's header and are read
-without loading tensors.
+folder only ever holds complete checkpoints under their final names. Only saving modifies the folder:
+opening a manager, ``latest()``, ``restore()`` and the other queries never create or delete anything, so a
+run can be evaluated while it trains, and read from read-only media. A writer's first save removes the
+temporary files that other writers provably abandoned (see :func:`functrain.checkpoint.atomic.is_abandoned`).
+Metrics live in each file's header and are read without loading tensors.
 
 Example:
     >>> import tempfile, torch
@@ -20,6 +22,7 @@ import contextlib
 import os
 import re
 import threading
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
@@ -29,7 +32,7 @@ import torch
 from functrain.checkpoint import file as checkpoint_file
 from functrain.checkpoint import format as fmt
 from functrain.checkpoint import structure
-from functrain.checkpoint.atomic import drop_cached_pages, fsync_directory, is_temporary
+from functrain.checkpoint.atomic import TMP_MARKER, drop_cached_pages, fsync_directory, is_abandoned
 from functrain.checkpoint.errors import CheckpointError
 from functrain.checkpoint.format import CheckpointHeader
 from functrain.distributed.env import is_main_process
@@ -49,7 +52,9 @@ class CheckpointManager:
     With ``async_save=True``, :meth:`save` returns once tensors are copied to host memory and the file is
     written by a background thread; at most one save is in flight, and a failure in the background is
     raised by the next :meth:`save`, :meth:`wait_until_finished` or :meth:`close`. Only the process for
-    which ``is_writer`` is true writes (default: rank 0 of torch.distributed, else this process).
+    which ``is_writer`` is true writes (default: rank 0 of torch.distributed, else this process), and only
+    when it saves: opening a manager and every query or restore leave the folder untouched (it need not
+    exist, and may be read-only), so another process can read a run while it trains.
 
     Example:
         >>> with CheckpointManager("runs/a", max_to_keep=3, best_metric="val_loss") as manager:  # doctest: +SKIP
@@ -95,9 +100,7 @@ class CheckpointManager:
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._closed = False
-        if self.is_writer:
-            os.makedirs(self.directory, exist_ok=True)
-            self._remove_temporary_files()
+        self._prepared = False  # the folder exists and abandoned temporary files are gone (first save)
 
     # ----------------------------------------------------------------------------------------- queries
 
@@ -134,7 +137,9 @@ class CheckpointManager:
         """The header of the checkpoint at ``step`` (cached; no tensor is read)."""
         header = self._cached_header(step)
         if header is None:
-            raise CheckpointError(f"{self.path(step)}: no readable checkpoint at step {step}")
+            if os.path.exists(self.path(step)):
+                return checkpoint_file.read_header(self.path(step))  # raises what is wrong with it
+            raise CheckpointError(f"{self.path(step)}: no checkpoint at step {step}")
         return header
 
     def metrics(self, step: int) -> dict[str, Any]:
@@ -230,6 +235,15 @@ class CheckpointManager:
             self._failure = error
 
     def _write(self, step: int, node: Any, tensors: list[Any], metrics: Any, metadata: Any) -> None:
+        if not self._prepared:
+            try:
+                os.makedirs(self.directory, exist_ok=True)
+            except OSError as error:
+                raise CheckpointError(
+                    f"{self.directory}: cannot create the checkpoint folder: {error}"
+                ) from error
+            self._remove_abandoned_temporary_files()
+            self._prepared = True
         # Earlier checkpoints are on disk and rarely read again: give their page cache to the new file
         # (on a VM, fresh pages cost ~2 s/GiB to fault in; see atomic.drop_cached_pages).
         for earlier in self.all_steps():
@@ -266,11 +280,21 @@ class CheckpointManager:
         if removed and self.fsync:
             fsync_directory(self.directory)
 
-    def _remove_temporary_files(self) -> None:
+    def _remove_abandoned_temporary_files(self) -> None:
+        """Remove the temporary checkpoint files whose writers are provably gone (best effort).
+
+        Another process may be saving into this folder right now (a second writer); its temporary file
+        is live and stays. A file that cannot be removed stays too: it is never read as a checkpoint.
+        """
+        now = time.time()
         for name in os.listdir(self.directory):
-            if is_temporary(name) and _NAME.match(name.split(".tmp-")[0]):
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(os.path.join(self.directory, name))
+            prefix, marker, _ = name.partition(TMP_MARKER)
+            if not (marker and _NAME.match(prefix)):
+                continue
+            path = os.path.join(self.directory, name)
+            with contextlib.suppress(OSError):
+                if is_abandoned(path, now=now, mtime=os.stat(path).st_mtime):
+                    os.remove(path)
 
     def wait_until_finished(self) -> None:
         """Block until the save in flight (if any) is written; raise its error if it failed."""

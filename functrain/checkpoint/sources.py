@@ -21,8 +21,9 @@ import torch
 from functrain.checkpoint import format as fmt
 from functrain.checkpoint import structure
 from functrain.checkpoint.errors import CheckpointError
+from functrain.checkpoint.file import open_for_reading
 
-__all__ = ["import_safetensors", "load_state_dict", "weight_name"]
+__all__ = ["checkpoint_weights", "import_safetensors", "load_state_dict", "weight_name"]
 
 PathLike = str | os.PathLike[str]
 _WEIGHT_GROUPS = ("params", "buffers")
@@ -52,14 +53,22 @@ def weight_name(path: structure.Path) -> str | None:
     return None
 
 
-def _from_checkpoint(
-    path: PathLike, wanted: Callable[[str], bool]
+def checkpoint_weights(
+    path: PathLike, wanted: Callable[[str], bool] | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The weights (``params`` and ``buffers``, or top-level tensors) and metadata of a functrain checkpoint.
+
+    Anything else, a pickle or torch.save file included, is refused with a :class:`CheckpointError`.
+
+    Example:
+        >>> weights, metadata = checkpoint_weights("run/step_00001000.ckpt")  # doctest: +SKIP
+    """
     name = os.fspath(path)
-    with open(path, "rb") as file:
+    wanted = wanted or (lambda _: True)
+    with open_for_reading(path) as file:
         header = fmt.read_header(file, name=name)
         leaves: list[tuple[structure.Path, Any]] = []
-        structure.decode(header.tree, header.tensors, leaves=leaves)
+        structure.decode(header.tree, header.tensors, leaves=leaves, name=name)
         tensor_leaves = [(p, v) for p, v in leaves if isinstance(v, fmt.TensorInfo)]
         names = [weight_name(p) for p, _ in tensor_leaves]
         if not any(names):  # a plain {name: tensor} dict saved with functrain
@@ -101,7 +110,7 @@ def load_weights(
     except OSError as error:
         raise CheckpointError(f"{name}: cannot open weights file: {error}") from error
     if start == fmt.MAGIC:
-        return _from_checkpoint(path, wanted or (lambda _: True))
+        return checkpoint_weights(path, wanted)
     if name.endswith(".safetensors") or start[8:9] == b"{":
         try:
             weights = import_safetensors().load_file(name, device="cpu")
@@ -112,10 +121,15 @@ def load_weights(
     else:
         try:
             weights = torch.load(name, map_location="cpu", weights_only=True)
-        except Exception as error:  # weights_only refuses pickled code with UnpicklingError, among others
+        except (
+            Exception
+        ) as error:  # weights_only refuses anything but tensors (UnpicklingError), or a bad file
+            # torch's own message is left out on purpose: it advises weights_only=False, which runs the code.
             raise CheckpointError(
-                f"{name}: not a functrain checkpoint, safetensors file or weights-only torch.save file: {error}"
-            ) from error
+                f"{name}: not a functrain checkpoint, a safetensors file or a torch.save file of plain tensors "
+                f"(torch.load(weights_only=True) refused it with {type(error).__name__}). If it is a pickle "
+                f"holding more than tensors, {fmt.REFUSED_PICKLE}"
+            ) from None
     _check_flat(weights, name)
     return dict(weights), {}
 

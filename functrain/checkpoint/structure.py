@@ -123,26 +123,30 @@ def encode(obj: Any) -> tuple[list[Any], list[tuple[Path, torch.Tensor]]]:
     return walk(obj, ()), tensors
 
 
-def _expect(condition: bool, path: Path, what: str) -> None:
-    if not condition:
-        raise CheckpointError(f"malformed tree in header at {_where(path)}: {what}")
-
-
 def decode(
-    node: Any, tensors: Sequence[Any], *, skipped: Any = None, leaves: list[tuple[Path, Any]] | None = None
+    node: Any,
+    tensors: Sequence[Any],
+    *,
+    skipped: Any = None,
+    leaves: list[tuple[Path, Any]] | None = None,
+    name: str = "checkpoint",
 ) -> Any:
     """Rebuild plain containers from a node made by :func:`encode`; tensor leaves come from ``tensors``.
 
     Structs and named tuples come back as a dict of their fields and a tuple respectively; ``skipped``
     stands in for a tensor whose slot in ``tensors`` is ``None`` (one that was not loaded). When
     ``leaves`` is a list, every leaf is appended to it with its path (struct and named-tuple children
-    named by field, as :func:`leaves_with_paths` names them).
+    named by field, as :func:`leaves_with_paths` names them). ``name`` (the file) starts error messages.
 
     Example:
         >>> decode(["struct", "Point", ["x"], [["float", 1.0]]], [])
         {'x': 1.0}
     """
     used: set[int] = set()
+
+    def _expect(condition: bool, path: Path, what: str) -> None:
+        if not condition:
+            raise CheckpointError(f"{name}: malformed tree in header at {_where(path)}: {what}")
 
     def walk(item: Any, path: Path) -> Any:
         value = walk_node(item, path)
@@ -202,17 +206,20 @@ def decode(
                 return tuple(values) if tag == "namedtuple" else dict(zip(fields, values))
         except (ValueError, TypeError) as error:  # wrong number of arguments in a crafted node
             raise CheckpointError(
-                f"malformed tree in header at {_where(path)}: {tag!r} node: {error}"
+                f"{name}: malformed tree in header at {_where(path)}: {tag!r:.80} node: {error}"
             ) from None
-        raise CheckpointError(f"malformed tree in header at {_where(path)}: unknown node kind {tag!r}")
+        raise CheckpointError(
+            f"{name}: malformed tree in header at {_where(path)}: unknown node kind {tag!r:.80}"
+        )
 
     try:
         result = walk(node, ())
     except RecursionError:
-        raise CheckpointError("malformed tree in header: nested too deeply") from None
+        raise CheckpointError(f"{name}: malformed tree in header: nested too deeply") from None
     if len(used) != len(tensors):
         raise CheckpointError(
-            f"malformed tree in header: {len(tensors) - len(used)} tensor(s) of the table are not in the tree"
+            f"{name}: malformed tree in header: {len(tensors) - len(used)} tensor(s) of the table are not in "
+            "the tree"
         )
     return result
 
