@@ -16,6 +16,7 @@ from functrain import averaging, callbacks, checkpoint, data, logging, metrics, 
 from functrain.config import ConfigError, TrainerConfig
 from functrain.jit import CompiledStep, DonatedStateError, GraphBreakError, RecompileError, jit
 from functrain.loop import FitResult, evaluate, fit, predict
+from functrain.model_summary import ModelSummary, summary
 from functrain.state import TrainState
 from functrain.step import (
     make_eval_step,
@@ -35,6 +36,7 @@ __all__ = [
     "FitResult",
     "GraphBreakError",
     "ImageClassificationTrainer",
+    "ModelSummary",
     "RecompileError",
     "SegmentationTrainer",
     "TrainState",
@@ -57,6 +59,7 @@ __all__ = [
     "precision",
     "predict",
     "random",
+    "summary",
     "supervised_loss",
     "tree",
 ]
