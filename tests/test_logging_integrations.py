@@ -7,6 +7,7 @@ checked against fake modules that record the calls, so the call sequence is test
 from __future__ import annotations
 
 import sys
+import time
 import types
 from pathlib import Path
 from typing import Any, ClassVar
@@ -151,6 +152,10 @@ def test_wandb_offline_run_for_real(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     run_id = (tmp_path / "logs" / "wandb_run_id").read_text()
     files = list((tmp_path / "logs" / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
     assert len(files) == 1
+    # run.finish() returns before W&B's service process has written the records: wait for it
+    deadline = time.monotonic() + 30
+    while b"0.125" not in files[0].read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.2)
     data = files[0].read_bytes()
     assert b"train/loss" in data and b"eval/accuracy" in data and b"0.125" in data
 
