@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -222,3 +223,77 @@ def test_ema_compiles_in_the_one_graph_step_without_recompiles():
     assert compiled.num_compiles == 1, compiled.compile_reasons
     for name, value in averaging.averaged_params(a).items():
         torch.testing.assert_close(value, averaging.averaged_params(b)[name], rtol=1e-12, atol=1e-12)
+
+
+def test_trainer_ema_config_trains_evaluates_and_predicts_with_the_average(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    from trainer_fixtures import SmallNet, make_dataset
+
+    cfg = ft.TrainerConfig(
+        output_dir=str(tmp_path / "run"),
+        max_steps=6,
+        batch_size=16,
+        compile=False,
+        progress_bar=False,
+        print_summary=False,
+        eval_strategy="steps",
+        eval_steps=6,
+        save_strategy="no",
+        device="cpu",
+        optimizer={"name": "sgd", "lr": 0.5},
+        ema=0.8,
+    )
+    trainer = ft.Trainer(
+        SmallNet(), cfg, train_dataset=make_dataset(96), eval_dataset=make_dataset(32, seed=1)
+    )
+    result = trainer.train()
+    average = averaging.find_average(trainer.state.opt_state)
+    assert isinstance(average, averaging.EmaState) and int(average.count) == 6
+
+    evaluated = trainer.evaluate()
+    loader = trainer._loader(trainer.eval_dataset, 16, train=False)
+    step = trainer._jit("eval", trainer.eval_step)
+    with_average = ft.evaluate(averaging.with_averaged_params(trainer.state), step, loader)
+    live = ft.evaluate(trainer.state, step, loader)
+    assert evaluated == with_average != live
+    assert result.eval_metrics == with_average  # the in-training evaluation used the average too
+    predict_step = trainer._jit("predict", trainer._predict_step)
+    expected = ft.predict(averaging.with_averaged_params(trainer.state), predict_step, loader, collect=True)
+    assert torch.equal(trainer.predict(trainer.eval_dataset), expected)
+
+
+def test_trainer_load_best_model_at_end_brings_the_best_checkpoints_average(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    from trainer_fixtures import SmallNet, make_dataset
+
+    cfg = ft.TrainerConfig(
+        output_dir=str(tmp_path / "run"),
+        max_steps=6,
+        batch_size=16,
+        compile=False,
+        progress_bar=False,
+        print_summary=False,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+        load_best_model_at_end=True,
+        best_model_mode="max",  # "best" = highest loss: an early checkpoint, not the final state
+        device="cpu",
+        optimizer={"name": "sgd", "lr": 0.5},
+        ema={"decay": 0.5},
+    )
+    trainer = ft.Trainer(
+        SmallNet(), cfg, train_dataset=make_dataset(96), eval_dataset=make_dataset(32, seed=1)
+    )
+    trainer.train()
+    manager = ft.checkpoint.CheckpointManager(tmp_path / "run" / "checkpoints", is_writer=False)
+    best = manager.best(metric="eval/loss", mode="max")
+    assert best < 6
+    from functrain.loop import _onto  # how Trainer.load puts a fit checkpoint's state onto a TrainState
+
+    saved = _onto(ft.TrainState.create(SmallNet(), trainer.tx), manager.restore(best)["state"])
+    got, want = averaging.find_average(trainer.state.opt_state), averaging.find_average(saved.opt_state)
+    assert int(got.count) == best
+    for name in want.params:
+        assert torch.equal(got.params[name], want.params[name]), name

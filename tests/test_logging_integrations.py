@@ -206,3 +206,40 @@ def test_missing_package_names_the_extra(
     monkeypatch.setitem(sys.modules, module, None)  # makes `import module` raise ImportError
     with pytest.raises(ImportError, match=rf'needs the {module} package: pip install "functrain\[{extra}\]"'):
         cls(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------- Trainer
+
+
+def test_trainer_report_to_wandb_and_mlflow(
+    fake_wandb: list, fake_mlflow: list, tmp_path: Path, monkeypatch
+) -> None:
+    import functrain as ft
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    from trainer_fixtures import SmallNet, make_dataset
+
+    cfg = ft.TrainerConfig(
+        output_dir=str(tmp_path / "myrun"),
+        max_steps=4,
+        log_steps=2,
+        batch_size=16,
+        compile=False,
+        progress_bar=False,
+        print_summary=False,
+        eval_strategy="no",
+        save_strategy="no",
+        device="cpu",
+        report_to=["wandb", "mlflow"],
+    )
+    ft.Trainer(SmallNet(), cfg, train_dataset=make_dataset(64)).train()
+    init = fake_wandb[0]
+    assert init[1]["name"] == "myrun" and init[1]["config"]["max_steps"] == 4
+    assert init[1]["dir"] == str(tmp_path / "myrun" / "logs")
+    logged = [c for c in fake_wandb if c[0] == "log"]
+    assert [c[2] for c in logged] == [2, 4] and all("train/loss" in c[1] for c in logged)
+    assert fake_wandb[-1] == ("finish",)
+    batches = [c for c in fake_mlflow if c[0] == "log_batch"]
+    assert [sorted({m[2] for m in c[2]}) for c in batches] == [[2], [4]]
+    assert ("train/loss", logged[0][1]["train/loss"], 2) in batches[0][2]
+    assert fake_mlflow[-1] == ("set_terminated", "abc123")

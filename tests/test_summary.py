@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -78,3 +80,51 @@ def test_bad_frozen_names_and_targets_are_refused():
         ft.summary({"w": torch.zeros(1)})
     with pytest.raises(ValueError, match="max_depth must be an int >= 1"):
         ft.summary(Tiny(), max_depth=0)
+
+
+def _config(tmp_path, **extra) -> dict:
+    return {
+        "output_dir": str(tmp_path / "run"),
+        "model": "trainer_fixtures:SmallNet",
+        "train_dataset": {"target": "trainer_fixtures:make_dataset", "kwargs": {"n": 32}},
+        "max_steps": 2,
+        "batch_size": 16,
+        "compile": False,
+        "progress_bar": False,
+        "eval_strategy": "no",
+        "save_strategy": "no",
+        "device": "cpu",
+        "freeze": ["body.0.*"],
+        **extra,
+    }
+
+
+def test_trainer_prints_the_summary_at_train_start_unless_switched_off(tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    from trainer_fixtures import SmallNet, make_dataset
+
+    cfg = {k: v for k, v in _config(tmp_path).items() if k not in ("model", "train_dataset")}
+    ft.Trainer(SmallNet(), ft.TrainerConfig(**cfg), train_dataset=make_dataset(32)).train()
+    out = capsys.readouterr().out
+    expected = str(ft.summary(SmallNet(), frozen=["body.0.*"]))
+    assert expected in out
+    # 6 * 16 weights + 16 biases, all frozen by freeze: [body.0.*]
+    assert expected.splitlines()[1].split() == ["body.0", "Linear", "112", "0", "112", "0", "float32", "448"]
+
+    cfg.update(print_summary=False, overwrite_output_dir=True)
+    ft.Trainer(SmallNet(), ft.TrainerConfig(**cfg), train_dataset=make_dataset(32)).train()
+    assert "trainable" not in capsys.readouterr().out
+
+
+def test_cli_summary_prints_the_table(tmp_path, capsys, monkeypatch):
+    from functrain.cli import main
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    path = tmp_path / "run.yaml"
+    path.write_text(ft.TrainerConfig.from_dict(_config(tmp_path)).to_yaml())
+    assert main(["summary", str(path), "--depth", "1"]) == 0
+    out = capsys.readouterr().out
+    from trainer_fixtures import SmallNet
+
+    assert out.strip() == str(ft.summary(SmallNet(), frozen=["body.0.*"], max_depth=1))
+    assert out.splitlines()[1].split()[:2] == ["body", "Sequential"]
