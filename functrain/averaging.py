@@ -84,7 +84,11 @@ class SwaState:
 
 
 def _scalar_dtype(params: PyTree) -> torch.dtype:
-    """float64 when any param is float64 (exact against a float64 reference), else float32."""
+    """The dtype the averaging weights are computed in: float64 when any param is float64, else float32.
+
+    The decay itself is stored as float32 like every hyperparameter: a float64 0-d input makes dynamo
+    treat it as a Python float and restart its analysis once on the first compile.
+    """
     dtypes = {x.dtype for x in tree.leaves(params) if isinstance(x, torch.Tensor)}
     return torch.float64 if torch.float64 in dtypes else torch.float32
 
@@ -145,7 +149,7 @@ def ema(
     def init(params: PyTree) -> EmaState:
         return EmaState(
             count=zero_count(params),
-            ema_decay=scalar(decay, params, _scalar_dtype(params)),
+            ema_decay=scalar(decay, params),
             params=_average_copy(params, dtype),
         )
 
@@ -153,7 +157,7 @@ def ema(
         if params is None:
             raise ValueError("ema needs the current parameters: call update(updates, state, params)")
         n = state.count
-        d = state.ema_decay
+        d = state.ema_decay.to(_scalar_dtype(params))
         if warmup:
             nf = n.to(d.dtype)
             d = torch.minimum(d, (1 + nf) / (10 + nf))
