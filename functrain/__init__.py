@@ -12,10 +12,11 @@ Example:
     >>> state, metrics = train_step(state, (torch.randn(16, 8), torch.randint(0, 3, (16,))))
 """
 
-from functrain import callbacks, checkpoint, data, logging, metrics, optim, precision, random, tree
+from functrain import averaging, callbacks, checkpoint, data, logging, metrics, optim, precision, random, tree
 from functrain.config import ConfigError, TrainerConfig
 from functrain.jit import CompiledStep, DonatedStateError, GraphBreakError, RecompileError, jit
 from functrain.loop import FitResult, evaluate, fit, predict
+from functrain.model_summary import ModelSummary, summary
 from functrain.state import TrainState
 from functrain.step import (
     make_eval_step,
@@ -35,12 +36,14 @@ __all__ = [
     "FitResult",
     "GraphBreakError",
     "ImageClassificationTrainer",
+    "ModelSummary",
     "RecompileError",
     "SegmentationTrainer",
     "TrainState",
     "Trainer",
     "TrainerConfig",
     "__version__",
+    "averaging",
     "callbacks",
     "checkpoint",
     "data",
@@ -56,6 +59,7 @@ __all__ = [
     "precision",
     "predict",
     "random",
+    "summary",
     "supervised_loss",
     "tree",
 ]

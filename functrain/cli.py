@@ -6,6 +6,7 @@
     functrain predict run.yaml --output preds.ckpt  # predictions, saved as a msgpack checkpoint
     functrain inspect CKPT / export CKPT --format safetensors --output model.safetensors
     functrain plot RUN_DIR                          # loss and metric curves to a PNG
+    functrain summary run.yaml                      # the model's params per module, trainable/frozen
     functrain train --help-config                   # every config field with its default and meaning
 
 In a config file the model and the datasets are import specs: ``model: mypkg.models:Net`` (an object
@@ -125,6 +126,14 @@ def _predict(args: argparse.Namespace) -> int:
     return 0
 
 
+def _summary(args: argparse.Namespace) -> int:
+    from functrain.model_summary import summary
+
+    trainer = _build_trainer(args.config, args.overrides)
+    print(summary(trainer.model, frozen=trainer.frozen, max_depth=args.depth))
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from functrain import demo
 
@@ -167,6 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "predict":
             p.add_argument("--output", required=True, help="msgpack file for the predictions")
         p.set_defaults(func=fn)
+
+    summ = sub.add_parser("summary", help="print the model's parameters per module (trainable/frozen, bytes)")
+    summ.add_argument("config", metavar="CONFIG.yaml")
+    summ.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    summ.add_argument("--depth", type=int, default=None, help="group by the first DEPTH module levels")
+    summ.set_defaults(func=_summary)
 
     demo = sub.add_parser("demo", help="train a small CNN on scikit-learn's digits (CPU, ~1 minute)")
     demo.add_argument("overrides", nargs="*", metavar="KEY=VALUE")

@@ -29,12 +29,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from functrain import averaging, checkpoint, data, distributed, metrics, optim
 from functrain import callbacks as cbs
-from functrain import checkpoint, data, distributed, metrics, optim
 from functrain import logging as ftlog
 from functrain.config import ConfigError, TrainerConfig
 from functrain.jit import jit
 from functrain.loop import FitResult, evaluate, fit
+from functrain.model_summary import summary
 from functrain.precision import LossScale
 from functrain.state import TrainState
 from functrain.step import _inputs_and_target, make_eval_step, make_predict_step, make_train_step
@@ -173,6 +174,8 @@ def build_optimizer(
         tx = optim.freeze(tx, {name: name in frozen for name in params})
     if config.max_grad_norm is not None:
         tx = optim.chain(optim.clip_by_global_norm(config.max_grad_norm), tx)
+    if config.ema is not None:  # last: it averages the params this update produces
+        tx = optim.chain(tx, averaging.ema(config.ema.decay, warmup=config.ema.warmup))
     return tx
 
 
@@ -312,6 +315,8 @@ class Trainer:
         if distributed.is_main_process():
             out.mkdir(parents=True, exist_ok=True)
             cfg.save(out / "config.yaml")
+            if cfg.print_summary:
+                print(summary(self.model, frozen=self.frozen))
         manager = checkpoint.CheckpointManager(
             out / cfg.checkpoints_dir,
             max_to_keep=cfg.save_total_limit,
@@ -320,6 +325,7 @@ class Trainer:
             keep_best=1 if cfg.eval_strategy != "no" else 0,
         )
         resume = self._resume_argument(manager)
+        loggers = self._loggers(out / cfg.logs_dir)
         result = fit(
             self.state,
             self._jit("train", self.train_step),
@@ -334,11 +340,13 @@ class Trainer:
             save_every=self._every(cfg.save_strategy, cfg.save_steps),
             log_every=cfg.log_steps,
             callbacks=self._callbacks(),
-            loggers=self._loggers(out / cfg.logs_dir),
+            loggers=loggers,
             checkpoints=manager,
             resume=resume,
             progress=cfg.progress_bar,
         )
+        for lg in loggers:  # W&B finishes its run, MLflow marks it finished, files are closed
+            lg.close()
         state = result.state
         if cfg.load_best_model_at_end and manager.best() is not None:
             best = manager.restore("best")["state"]
@@ -346,6 +354,10 @@ class Trainer:
                 params=self._onto(state.params, best["params"]),
                 buffers=self._onto(state.buffers, best["buffers"]),
             )
+            if cfg.ema is not None:  # and the best checkpoint's average
+                from functrain.loop import _onto
+
+                state = state.replace(opt_state=_onto(state, best).opt_state)
             result.state = state
         self.state = state
         self.result = result
@@ -362,14 +374,14 @@ class Trainer:
         if dataset is None:
             raise ValueError("Trainer.evaluate: give a dataset (no eval_dataset was configured)")
         loader = self._loader(dataset, self.config.resolved_eval_batch_size, train=False)
-        return evaluate(self.state, self._jit("eval", self.eval_step), loader)
+        return evaluate(self._eval_state(), self._jit("eval", self.eval_step), loader)
 
     def predict(self, dataset: Any) -> torch.Tensor:
         """The model's outputs on every example of ``dataset``, concatenated (inputs taken as in training)."""
         from functrain.loop import predict
 
         loader = self._loader(dataset, self.config.resolved_eval_batch_size, train=False)
-        return predict(self.state, self._jit("predict", self._predict_step), loader, collect=True)
+        return predict(self._eval_state(), self._jit("predict", self._predict_step), loader, collect=True)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Save the train state (params, buffers, optimizer state, step, key) as a msgpack checkpoint."""
@@ -387,6 +399,11 @@ class Trainer:
         return self.state
 
     # ------------------------------------------------------------------------------ building
+
+    def _eval_state(self) -> TrainState:
+        """The state evaluations and predictions use: with ``ema.evaluate``, the averaged weights."""
+        ema = self.config.ema
+        return averaging.with_averaged_params(self.state) if ema is not None and ema.evaluate else self.state
 
     @property
     def _precision(self) -> str | None:
@@ -547,6 +564,8 @@ class Trainer:
             )
         if cfg.print_steps:
             out.append(cbs.PrintMetrics(every=cfg.print_steps))
+        if cfg.ema is not None and cfg.ema.evaluate:
+            out.append(averaging.AveragedEvaluation())
         return out + self.extra_callbacks
 
     def _loggers(self, log_dir: Path) -> list[Any]:
@@ -560,6 +579,11 @@ class Trainer:
             loggers.append(ftlog.CSVWriter(log_dir))
         if cfg.tensorboard:
             loggers.append(ftlog.TensorBoardWriter(log_dir / "tensorboard"))
+        run_name = Path(cfg.output_dir).name
+        if "wandb" in cfg.report_to:
+            loggers.append(ftlog.WandbWriter(log_dir, name=run_name, config=cfg.to_dict()))
+        if "mlflow" in cfg.report_to:
+            loggers.append(ftlog.MLflowWriter(log_dir, run_name=run_name))
         return loggers
 
     def _check_output_dir(self, out: Path) -> None:

@@ -10,6 +10,7 @@ from functrain.callbacks.checkpointing import ModelCheckpoint
 from functrain.callbacks.early_stopping import EarlyStopping
 from functrain.callbacks.monitors import LearningRateMonitor, NonFiniteGuard, NonFiniteLossError, Timer
 from functrain.callbacks.preemption import Preemption
+from functrain.callbacks.profiler import Profiler
 from functrain.callbacks.progress import PrintMetrics, ProgressBar
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "NonFiniteLossError",
     "Preemption",
     "PrintMetrics",
+    "Profiler",
     "ProgressBar",
     "Timer",
 ]

@@ -29,6 +29,7 @@ from functrain.config.imports import ImportSpec, resolve_object
 from functrain.config.names import OPTIMIZER_NAMES, SCHEDULER_NAMES, metric_mode
 from functrain.config.sections import (
     EarlyStoppingConfig,
+    EmaConfig,
     FreezeConfig,
     LossConfig,
     OptimizerConfig,
@@ -41,6 +42,7 @@ __all__ = [
     "SCHEDULER_NAMES",
     "ConfigError",
     "EarlyStoppingConfig",
+    "EmaConfig",
     "FreezeConfig",
     "ImportSpec",
     "LossConfig",

@@ -1,8 +1,8 @@
-"""The nested sections of `TrainerConfig`: optimizer, scheduler, loss, early stopping, freezing.
+"""The nested sections of `TrainerConfig`: optimizer, scheduler, loss, early stopping, freezing, EMA.
 
 Each section may also be written as a shorthand in YAML or on the command line: ``optimizer: sgd``,
 ``scheduler: cosine``, ``loss: MSELoss`` (a name), ``early_stopping: true`` (the defaults),
-``freeze: [encoder.*]`` (name patterns).
+``freeze: [encoder.*]`` (name patterns), ``ema: 0.999`` (a decay) or ``ema: true`` (the defaults).
 
 Example:
     >>> OptimizerConfig(name="SGD", lr="0.1", args={"momentum": 0.9})
@@ -25,7 +25,14 @@ from functrain.config.imports import check_import_spec
 from functrain.config.names import OPTIMIZER_NAMES, SCHEDULER_NAMES, metric_mode
 from functrain.config.section import ConfigSection, config_section, option, rule
 
-__all__ = ["EarlyStoppingConfig", "FreezeConfig", "LossConfig", "OptimizerConfig", "SchedulerConfig"]
+__all__ = [
+    "EarlyStoppingConfig",
+    "EmaConfig",
+    "FreezeConfig",
+    "LossConfig",
+    "OptimizerConfig",
+    "SchedulerConfig",
+]
 
 
 def _lower_name(value: Any, path: str) -> Any:
@@ -300,3 +307,33 @@ class FreezeConfig(ConfigSection):
                 yield Problem(
                     f"freeze.patterns[{i}]", "is empty", "remove it or write a glob such as 'encoder.*'"
                 )
+
+
+@config_section("ema")
+class EmaConfig(ConfigSection):
+    """An exponential moving average of the weights (``functrain.averaging.ema``), kept in the optimizer
+    state: checkpointed and resumed with the run.
+
+    Example:
+        >>> EmaConfig.shorthand(0.9999)
+        {'decay': 0.9999}
+    """
+
+    decay: float = option(
+        0.999, doc="Weight of the old average at each optimizer step, in [0, 1).", minimum=0, less_than=1
+    )
+    warmup: bool = option(
+        False, doc="Use min(decay, (1 + n) / (10 + n)) for the n-th average, so early averages forget faster."
+    )
+    evaluate: bool = option(
+        True,
+        doc="Evaluate (and pick the best checkpoint) with the averaged weights instead of the live ones.",
+    )
+
+    @classmethod
+    def shorthand(cls, value: Any) -> Mapping[str, Any] | None:
+        if value is True:
+            return {}
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return {"decay": value}
+        return None

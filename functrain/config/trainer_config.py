@@ -35,6 +35,7 @@ from functrain.config.overrides import apply_well_formed_overrides
 from functrain.config.section import ConfigSection, config_section, option, rule
 from functrain.config.sections import (
     EarlyStoppingConfig,
+    EmaConfig,
     FreezeConfig,
     LossConfig,
     OptimizerConfig,
@@ -210,6 +211,15 @@ class TrainerConfig(ConfigSection):
     jsonl: bool = option(
         True, doc="Write logged scalars to logs_dir/metrics.jsonl, one JSON object per line."
     )
+    report_to: list[Literal["wandb", "mlflow"]] = option(
+        default_factory=list,
+        doc="Also log to these services: 'wandb' (Weights & Biases), 'mlflow' (optional extras, configured "
+        "by their environment variables, e.g. WANDB_PROJECT, MLFLOW_TRACKING_URI).",
+    )
+    print_summary: bool = option(
+        True,
+        doc="Print a model summary (params per module, trainable/frozen, dtype, bytes) when training starts.",
+    )
     progress_bar: bool = option(True, doc="Show a progress bar on the console.")
     print_steps: int | None = option(
         None, doc="Also print a line of training scalars every this many optimizer steps.", minimum=1
@@ -224,8 +234,13 @@ class TrainerConfig(ConfigSection):
     compile: bool = option(True, doc="Compile train and eval steps with torch.compile(fullgraph=True).")
     compile_mode: CompileMode | None = option(None, doc="torch.compile mode; null: PyTorch's default.")
     donate: bool = option(False, doc="Let the step overwrite the incoming state's tensors (saves memory).")
-    # -- freezing
+    # -- freezing, weight averaging
     freeze: FreezeConfig = option(default_factory=FreezeConfig, doc="Parameters not to train.")
+    ema: EmaConfig | None = option(
+        None,
+        doc="Keep an exponential moving average of the weights; null: off.",
+        normalize=_normalize_early_stopping,
+    )
     # -- objects for config-file driven runs (import specs, see functrain.config.imports)
     model: ImportSpec | None = option(
         None, doc="Import spec of the model (or its factory).", normalize=_normalize_spec

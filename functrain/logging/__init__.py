@@ -1,4 +1,4 @@
-"""Scalar history and writers: console, JSON lines, CSV, TensorBoard; and run plots.
+"""Scalar history and writers: console, JSON lines, CSV, TensorBoard, W&B, MLflow; and run plots.
 
 Example:
     >>> import tempfile, torch
@@ -14,8 +14,10 @@ from functrain.logging.console import ConsoleWriter
 from functrain.logging.csv_writer import CSVWriter
 from functrain.logging.history import History, to_floats
 from functrain.logging.jsonl import JSONLWriter, read_jsonl
+from functrain.logging.mlflow import MLflowWriter
 from functrain.logging.plot import plot_run
 from functrain.logging.tensorboard import TensorBoardWriter
+from functrain.logging.wandb import WandbWriter
 from functrain.logging.writer import MultiWriter, Writer
 
 __all__ = [
@@ -23,8 +25,10 @@ __all__ = [
     "ConsoleWriter",
     "History",
     "JSONLWriter",
+    "MLflowWriter",
     "MultiWriter",
     "TensorBoardWriter",
+    "WandbWriter",
     "Writer",
     "plot_run",
     "read_jsonl",
