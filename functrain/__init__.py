@@ -15,7 +15,7 @@ Example:
 from functrain import callbacks, checkpoint, data, logging, metrics, optim, precision, random, tree
 from functrain.config import ConfigError, TrainerConfig
 from functrain.jit import CompiledStep, DonatedStateError, GraphBreakError, RecompileError, jit
-from functrain.loop import FitResult, evaluate, fit, predict
+from functrain.loop import FitResult, RunFinishedWarning, evaluate, fit, predict
 from functrain.state import TrainState
 from functrain.step import (
     make_eval_step,
@@ -36,6 +36,7 @@ __all__ = [
     "GraphBreakError",
     "ImageClassificationTrainer",
     "RecompileError",
+    "RunFinishedWarning",
     "SegmentationTrainer",
     "TrainState",
     "Trainer",

@@ -85,7 +85,9 @@ def _train(args: argparse.Namespace) -> int:
 
     with distributed.initialize():  # torchrun: one process per device; plain python: a no-op
         trainer = _build_trainer(args.config, args.overrides)
-        result = trainer.train()
+        result = trainer.train(
+            additional_epochs=args.additional_epochs, additional_steps=args.additional_steps
+        )
         summary = dict(result.eval_metrics or {})
         if getattr(trainer, "test_dataset", None) is not None:
             summary.update(
@@ -150,6 +152,17 @@ def build_parser() -> argparse.ArgumentParser:
         "overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. optimizer.lr=3e-4"
     )
     train.add_argument("--help-config", action="store_true", help="list every config field with its default")
+    more = train.add_mutually_exclusive_group()
+    more.add_argument(
+        "--additional-epochs",
+        type=int,
+        metavar="N",
+        help="train N more epochs from the resumed step (with resume_from_checkpoint=true), also past an "
+        "early stop; epochs/max_steps count the whole run, so a finished run resumed without this returns at once",
+    )
+    more.add_argument(
+        "--additional-steps", type=int, metavar="N", help="train N more optimizer steps (as above)"
+    )
     train.set_defaults(func=_train)
 
     for name, fn, helptext in (

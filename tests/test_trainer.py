@@ -211,6 +211,23 @@ def test_cli_train_eval_predict(tmp_path: Path, capsys, monkeypatch):
     assert cli(["inspect", str(tmp_path / "preds.ckpt")]) == 0
 
 
+def test_cli_resume_of_an_early_stopped_run_stays_finished(tmp_path: Path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(HERE))
+    early = {"monitor": "loss", "patience": 1, "min_delta": 1e9}  # nothing counts as an improvement
+    path = write_config(tmp_path, epochs=10, early_stopping=early, test_dataset=None)
+    assert cli(["train", str(path)]) == 0
+    first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert first["step"] == 8 and first["stop_reason"].startswith("early stopping")
+    logs = (tmp_path / "cli_run" / "logs" / "metrics.jsonl").read_text()
+    with pytest.warns(ft.RunFinishedWarning, match="stopped for good at step 8: early stopping"):
+        assert cli(["train", str(path), "resume_from_checkpoint=true"]) == 0
+    again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert again["step"] == 8 and again["stop_reason"] == first["stop_reason"]
+    assert (tmp_path / "cli_run" / "logs" / "metrics.jsonl").read_text() == logs
+    assert cli(["train", str(path), "resume_from_checkpoint=true", "--additional-epochs", "1"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 12
+
+
 @pytest.mark.parametrize(
     ("override", "field"),
     [
