@@ -8,8 +8,10 @@
     functrain plot RUN_DIR                          # loss and metric curves to a PNG
     functrain train --help-config                   # every config field with its default and meaning
 
-In a config file the model and the datasets are import specs: ``model: mypkg.models:Net`` (an object
-or a factory, called when it is a class), or ``{target: mypkg.data:load, args: [...], kwargs: {...}}``.
+In a config file the model and the datasets are import specs: ``model: mypkg.models:Net`` (a class or
+a function is called with no arguments, any other object used as it is), or ``{target: mypkg.data:load,
+args: [...], kwargs: {...}}``. Modules are imported from the config file's directory, then the current
+directory, then the installed packages (and ``PYTHONPATH``): ``mytask.py`` beside ``run.yaml`` just works.
 
 Example:
     >>> main(["train", "--help-config"])  # doctest: +SKIP
@@ -26,11 +28,25 @@ from typing import Any
 
 __all__ = ["main"]
 
+_SPECS_HELP = """\
+model and datasets in CONFIG.yaml are import specs, 'module:attr' (a class or a function is called
+with no arguments) or {target: 'module:attr', args: [...], kwargs: {...}}. Modules are imported from
+the config file's directory, then the current directory, then the installed packages and PYTHONPATH:
+  model: mytask:Net                 # mytask.py beside run.yaml
+  train_dataset: mytask:train_set   # a function returning the dataset"""
+
 
 def _build_trainer(config_path: str, overrides: Sequence[str]) -> Any:
-    from functrain.config import ConfigError, TrainerConfig, resolve_object
+    from functrain.config import ConfigError, TrainerConfig, add_import_dirs, build_object
     from functrain.trainer import Trainer
 
+    # mytask.py beside run.yaml (or in the current directory) imports without PYTHONPATH
+    add_import_dirs(
+        {
+            "the config's directory": os.path.dirname(os.path.abspath(config_path)),
+            "the current directory": ".",
+        }
+    )
     cfg = TrainerConfig.from_yaml(config_path)
     if overrides:
         cfg = cfg.with_overrides(list(overrides))
@@ -42,10 +58,7 @@ def _build_trainer(config_path: str, overrides: Sequence[str]) -> Any:
         )
 
     def build(spec: Any, path: str) -> Any:
-        if spec is None:
-            return None
-        obj = resolve_object(spec, path=path)
-        return obj() if isinstance(obj, type) else obj
+        return None if spec is None else build_object(spec, path=path)
 
     import torch
 
@@ -142,11 +155,19 @@ def build_parser() -> argparse.ArgumentParser:
     from functrain.logging import cli as logging_cli
 
     parser = argparse.ArgumentParser(
-        prog="functrain", description="functional, JAX-style training for PyTorch"
+        prog="functrain",
+        description="functional, JAX-style training for PyTorch",
+        epilog=_SPECS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="train from a YAML config (key=value overrides allowed)")
+    train = sub.add_parser(
+        "train",
+        help="train from a YAML config (key=value overrides allowed)",
+        epilog=_SPECS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     train.add_argument("config", nargs="?", metavar="CONFIG.yaml")
     train.add_argument(
         "overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. optimizer.lr=3e-4"
