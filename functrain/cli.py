@@ -218,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Configuration mistakes print the error (every problem, with its field and fix) and return 2.
     """
-    from functrain.config import ConfigError
+    from functrain.config.errors import ConfigError  # light: `functrain --help` imports no torch
 
     args = build_parser().parse_args(argv)
     try:
