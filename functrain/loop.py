@@ -522,6 +522,7 @@ def fit(
                 host_step += 1
                 position = next_position
                 ctx.step, ctx.batch_index, ctx.metrics = host_step, index, metrics
+                ctx.compiles = sum(getattr(fn, "num_compiles", 0) for fn in (train_step, eval_step))
                 window.add(metrics)
                 epoch_done = bpe is not None and index == bpe
                 ctx.logging_step = host_step % log_every == 0 or epoch_done or host_step >= total

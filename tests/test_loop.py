@@ -331,3 +331,22 @@ def test_a_non_final_stop_leaves_the_run_resumable(tmp_path):
     run = dict(batch_size=8, epochs=2, checkpoints=tmp_path / "ckpt", resume=True, progress=False)
     assert ft.fit(state, train_step, dataset(40), callbacks=[Pause()], **run).stop_reason == "paused"
     assert int(ft.fit(state, train_step, dataset(40), **run).state.step) == 10
+
+
+def test_timer_eta_leaves_windows_with_a_compilation_out(monkeypatch):
+    """A compile takes minutes once; an ETA from a window holding one would predict hours."""
+    from functrain.callbacks import monitors
+
+    clock = iter([0.0, 100.0, 101.0, 150.0])  # train_begin, then three logging steps
+    monkeypatch.setattr(monitors.time, "perf_counter", lambda: next(clock))
+    timer = ft.callbacks.Timer()
+    ctx = ft.callbacks.Context(max_steps=100, history=ft.logging.History())
+    timer.on_train_begin(None, ctx)
+    for step in range(1, 31):
+        ctx.step, ctx.logging_step = step, step % 10 == 0
+        ctx.compiles = 1 if step < 21 else 2  # the first step compiles; an evaluation compiles after step 20
+        timer.on_step_end(None, ctx)
+    # window 1 (99 s of compiling): no ETA; window 2: 10 steps/s, 80 steps left; window 3 compiled: the
+    # ETA keeps window 2's rate (70 steps left), not 10 steps / 49 s
+    assert ctx.history.series("time/eta_s") == [(20, 8.0), (30, 7.0)]
+    assert [s for s, _ in ctx.history.series("time/steps_per_s")] == [10, 20, 30]

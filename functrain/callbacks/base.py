@@ -118,6 +118,8 @@ class Context:
         batch: the current batch (train or eval), ``previous_state``: the state before the current step
             (``None`` when the step donates its input).
         checkpoint_path: set for ``checkpoint_saved`` / ``checkpoint_restored``.
+        compiles: graphs the run's train and eval steps have compiled so far (``CompiledStep.num_compiles``);
+            a change tells a timer that the last steps included a compilation.
     """
 
     step: int = 0
@@ -136,6 +138,7 @@ class Context:
     previous_state: Any = None
     checkpoint_path: str | None = None
     phase: str = "train"
+    compiles: int = 0
 
 
 class Callback:

@@ -22,7 +22,7 @@ _lazy.install(
         "CSVWriter": "functrain.logging.csv_writer",
         **dict.fromkeys(("History", "to_floats"), "functrain.logging.history"),
         **dict.fromkeys(("JSONLWriter", "read_jsonl"), "functrain.logging.jsonl"),
-        "plot_run": "functrain.logging.plot",
+        **dict.fromkeys(("find_metrics", "plot_run"), "functrain.logging.plot"),
         "TensorBoardWriter": "functrain.logging.tensorboard",
         **dict.fromkeys(("MultiWriter", "Writer"), "functrain.logging.writer"),
     },
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from functrain.logging.csv_writer import CSVWriter
     from functrain.logging.history import History, to_floats
     from functrain.logging.jsonl import JSONLWriter, read_jsonl
-    from functrain.logging.plot import plot_run
+    from functrain.logging.plot import find_metrics, plot_run
     from functrain.logging.tensorboard import TensorBoardWriter
     from functrain.logging.writer import MultiWriter, Writer
 
@@ -45,6 +45,7 @@ __all__ = [
     "MultiWriter",
     "TensorBoardWriter",
     "Writer",
+    "find_metrics",
     "plot_run",
     "read_jsonl",
     "to_floats",
