@@ -3,7 +3,7 @@
     functrain demo                                  # a CNN on scikit-learn's digits, on the CPU
     functrain train run.yaml optimizer.lr=3e-4      # a run from a config file, with overrides
     functrain eval run.yaml [--checkpoint CKPT]     # evaluate a trained run
-    functrain predict run.yaml --output preds.ckpt  # predictions, saved as a msgpack checkpoint
+    functrain predict run.yaml --output preds.ckpt  # predictions: functrain.checkpoint.restore(path)["preds"]
     functrain inspect CKPT / export CKPT --format safetensors --output model.safetensors
     functrain plot RUN_DIR                          # loss and metric curves to a PNG
     functrain train --help-config                   # every config field with its default and meaning
@@ -135,7 +135,10 @@ def _predict(args: argparse.Namespace) -> int:
         return 2
     preds = trainer.predict(dataset)
     checkpoint.save(args.output, {"preds": preds}, step=int(trainer.state.step))
-    print(f"wrote {tuple(preds.shape)} predictions to {args.output}")
+    print(
+        f"wrote {tuple(preds.shape)} predictions to {args.output}; read them with "
+        f"functrain.checkpoint.restore({args.output!r})['preds']"
+    )
     return 0
 
 
@@ -198,7 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
             "--split", choices=("eval", "test", "train"), default="test" if name == "predict" else "eval"
         )
         if name == "predict":
-            p.add_argument("--output", required=True, help="msgpack file for the predictions")
+            p.add_argument(
+                "--output",
+                required=True,
+                help="file for the predictions, a functrain checkpoint (msgpack, no pickle); read it in Python "
+                "with functrain.checkpoint.restore(PATH)['preds'] (a tensor, one row per example)",
+            )
         p.set_defaults(func=fn)
 
     demo = sub.add_parser("demo", help="train a small CNN on scikit-learn's digits (CPU, ~1 minute)")

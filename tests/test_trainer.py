@@ -208,6 +208,7 @@ def test_cli_train_eval_predict(tmp_path: Path, capsys, monkeypatch):
     assert cli(["eval", str(path)]) == 0
     assert "eval/accuracy" in json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert cli(["predict", str(path), "--output", str(tmp_path / "preds.ckpt")]) == 0
+    assert "functrain.checkpoint.restore(" in capsys.readouterr().out  # says how to read the file
     assert checkpoint.restore(tmp_path / "preds.ckpt")["preds"].shape == (16, 3)
     assert cli(["inspect", str(tmp_path / "preds.ckpt")]) == 0
 
