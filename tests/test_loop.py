@@ -350,3 +350,14 @@ def test_timer_eta_leaves_windows_with_a_compilation_out(monkeypatch):
     # ETA keeps window 2's rate (70 steps left), not 10 steps / 49 s
     assert ctx.history.series("time/eta_s") == [(20, 8.0), (30, 7.0)]
     assert [s for s, _ in ctx.history.series("time/steps_per_s")] == [10, 20, 30]
+
+
+def test_a_plain_dataloader_without_resume_does_not_warn():
+    import warnings
+
+    _, state, train_step, _ = setup()
+    loader = torch.utils.data.DataLoader(dataset(40), batch_size=8, shuffle=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # ResumeWarning included: nothing is resumed here
+        result = ft.fit(state, train_step, loader, epochs=1, progress=False)
+    assert int(result.state.step) == 5
