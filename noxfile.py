@@ -35,7 +35,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """The benchmarks (steps, loop, checkpoint, distributed); tables go to benchmarks/README.md."""
-    _install(session)
+    _install(session, "dev,bench")  # bench: nox and lightning (benchmarks/loop.py compares against it)
     for script in ("steps.py", "loop.py", "checkpoint.py", "distributed.py"):
         session.run("python", f"benchmarks/{script}", *session.posargs)
 

@@ -1,6 +1,10 @@
 """Layer 2 — `fit`: callbacks, evaluation, logs, checkpoints and exact resume around the same step.
 
-python examples/02_fit.py [RUN_DIR]            (run it twice: the second run resumes, then ends)
+python examples/02_fit.py [RUN_DIR]            (run it twice: the second run finds it finished)
+
+Takes about 1-2 minutes on a laptop CPU (compiling the steps takes most of it). The run is resumable:
+Ctrl-C saves and stops, the next run continues; a run that ended (10 epochs, or early stopping)
+returns at once and says so; `additional_epochs=N` in `ft.fit` would train N more.
 """
 
 import os
@@ -15,6 +19,8 @@ from functrain.demo import DigitsCNN, digits_splits
 SMALL = os.environ.get("FUNCTRAIN_SMALL") == "1"
 run_dir = sys.argv[1] if len(sys.argv) > 1 else "runs/fit_example"
 
+print(f"02: ft.fit with evaluation, early stopping, checkpoints and logs in {run_dir}")
+print("    (~1-2 min on a CPU; the first step compiles for 30-60 s)", flush=True)
 torch.manual_seed(0)
 train, val, test = digits_splits()
 model = DigitsCNN()
@@ -50,4 +56,7 @@ print(
     "test:",
     ft.evaluate(result.state, ft.make_eval_step(model, loss_fn, metrics=metrics), test, batch_size=120),
 )
-ft.logging.plot_run(f"{run_dir}/logs", f"{run_dir}/curves.png")
+try:
+    print("curves:", ft.logging.plot_run(run_dir, f"{run_dir}/curves.png"))
+except ImportError as err:  # matplotlib is optional (the `examples` extra installs it)
+    print(f"no curves: {err}")

@@ -3,6 +3,9 @@
 An immutable train state advanced by a pure step that ``torch.compile`` turns into one graph
 (forward, backward and optimizer update together).
 
+The names below are imported on first use (PEP 562), so ``import functrain`` and ``functrain --help``
+stay fast; ``functrain.jit`` and the rest load torch when they are touched.
+
 Example:
     >>> import torch, functrain as ft
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
@@ -12,22 +15,42 @@ Example:
     >>> state, metrics = train_step(state, (torch.randn(16, 8), torch.randint(0, 3, (16,))))
 """
 
-from functrain import averaging, callbacks, checkpoint, data, logging, metrics, optim, precision, random, tree
-from functrain.config import ConfigError, TrainerConfig
-from functrain.jit import CompiledStep, DonatedStateError, GraphBreakError, RecompileError, jit
-from functrain.loop import FitResult, evaluate, fit, predict
-from functrain.model_summary import ModelSummary, summary
-from functrain.state import TrainState
-from functrain.step import (
-    make_eval_step,
-    make_predict_step,
-    make_train_step,
-    supervised_loss,
-)
-from functrain.tasks import ImageClassificationTrainer, SegmentationTrainer
-from functrain.trainer import Trainer
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from functrain import _lazy
 
 __version__ = "0.1.0"
+
+_SUBMODULES = (
+    "averaging",
+    "callbacks",
+    "checkpoint",
+    "data",
+    "logging",
+    "metrics",
+    "optim",
+    "precision",
+    "random",
+    "tree",
+)
+# public name -> the module defining it
+_LAZY: dict[str, str] = {
+    "ConfigError": "functrain.config",
+    "TrainerConfig": "functrain.config",
+    **dict.fromkeys(
+        ("CompiledStep", "DonatedStateError", "GraphBreakError", "RecompileError", "jit"), "functrain.jit"
+    ),
+    **dict.fromkeys(("FitResult", "RunFinishedWarning", "evaluate", "fit", "predict"), "functrain.loop"),
+    **dict.fromkeys(("ModelSummary", "summary"), "functrain.model_summary"),
+    "TrainState": "functrain.state",
+    **dict.fromkeys(
+        ("make_eval_step", "make_predict_step", "make_train_step", "supervised_loss"), "functrain.step"
+    ),
+    **dict.fromkeys(("ImageClassificationTrainer", "SegmentationTrainer"), "functrain.tasks"),
+    "Trainer": "functrain.trainer",
+}
 
 __all__ = [
     "CompiledStep",
@@ -38,6 +61,7 @@ __all__ = [
     "ImageClassificationTrainer",
     "ModelSummary",
     "RecompileError",
+    "RunFinishedWarning",
     "SegmentationTrainer",
     "TrainState",
     "Trainer",
@@ -63,3 +87,17 @@ __all__ = [
     "supervised_loss",
     "tree",
 ]
+
+
+_lazy.install(__name__, _LAZY, _SUBMODULES)
+
+if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
+    from functrain import averaging, callbacks, checkpoint, data, logging, metrics, optim, precision, random, tree
+    from functrain.config import ConfigError, TrainerConfig
+    from functrain.jit import CompiledStep, DonatedStateError, GraphBreakError, RecompileError, jit
+    from functrain.loop import FitResult, RunFinishedWarning, evaluate, fit, predict
+    from functrain.model_summary import ModelSummary, summary
+    from functrain.state import TrainState
+    from functrain.step import make_eval_step, make_predict_step, make_train_step, supervised_loss
+    from functrain.tasks import ImageClassificationTrainer, SegmentationTrainer
+    from functrain.trainer import Trainer

@@ -3,14 +3,16 @@
     functrain demo                                  # a CNN on scikit-learn's digits, on the CPU
     functrain train run.yaml optimizer.lr=3e-4      # a run from a config file, with overrides
     functrain eval run.yaml [--checkpoint CKPT]     # evaluate a trained run
-    functrain predict run.yaml --output preds.ckpt  # predictions, saved as a msgpack checkpoint
+    functrain predict run.yaml --output preds.ckpt  # predictions: functrain.checkpoint.restore(path)["preds"]
     functrain inspect CKPT / export CKPT --format safetensors --output model.safetensors
     functrain plot RUN_DIR                          # loss and metric curves to a PNG
     functrain summary run.yaml                      # the model's params per module, trainable/frozen
     functrain train --help-config                   # every config field with its default and meaning
 
-In a config file the model and the datasets are import specs: ``model: mypkg.models:Net`` (an object
-or a factory, called when it is a class), or ``{target: mypkg.data:load, args: [...], kwargs: {...}}``.
+In a config file the model and the datasets are import specs: ``model: mypkg.models:Net`` (a class or
+a function is called with no arguments, any other object used as it is), or ``{target: mypkg.data:load,
+args: [...], kwargs: {...}}``. Modules are imported from the config file's directory, then the current
+directory, then the installed packages (and ``PYTHONPATH``): ``mytask.py`` beside ``run.yaml`` just works.
 
 Example:
     >>> main(["train", "--help-config"])  # doctest: +SKIP
@@ -28,11 +30,25 @@ from typing import Any
 
 __all__ = ["main"]
 
+_SPECS_HELP = """\
+model and datasets in CONFIG.yaml are import specs, 'module:attr' (a class or a function is called
+with no arguments) or {target: 'module:attr', args: [...], kwargs: {...}}. Modules are imported from
+the config file's directory, then the current directory, then the installed packages and PYTHONPATH:
+  model: mytask:Net                 # mytask.py beside run.yaml
+  train_dataset: mytask:train_set   # a function returning the dataset"""
+
 
 def _build_trainer(config_path: str, overrides: Sequence[str]) -> Any:
-    from functrain.config import ConfigError, TrainerConfig, resolve_object
+    from functrain.config import ConfigError, TrainerConfig, add_import_dirs, build_object
     from functrain.trainer import Trainer
 
+    # mytask.py beside run.yaml (or in the current directory) imports without PYTHONPATH
+    add_import_dirs(
+        {
+            "the config's directory": os.path.dirname(os.path.abspath(config_path)),
+            "the current directory": ".",
+        }
+    )
     cfg = TrainerConfig.from_yaml(config_path)
     if overrides:
         cfg = cfg.with_overrides(list(overrides))
@@ -44,10 +60,7 @@ def _build_trainer(config_path: str, overrides: Sequence[str]) -> Any:
         )
 
     def build(spec: Any, path: str) -> Any:
-        if spec is None:
-            return None
-        obj = resolve_object(spec, path=path)
-        return obj() if isinstance(obj, type) else obj
+        return None if spec is None else build_object(spec, path=path)
 
     import torch
 
@@ -87,7 +100,9 @@ def _train(args: argparse.Namespace) -> int:
 
     with distributed.initialize():  # torchrun: one process per device; plain python: a no-op
         trainer = _build_trainer(args.config, args.overrides)
-        result = trainer.train()
+        result = trainer.train(
+            additional_epochs=args.additional_epochs, additional_steps=args.additional_steps
+        )
         summary = dict(result.eval_metrics or {})
         if getattr(trainer, "test_dataset", None) is not None:
             summary.update(
@@ -122,7 +137,10 @@ def _predict(args: argparse.Namespace) -> int:
         return 2
     preds = trainer.predict(dataset)
     checkpoint.save(args.output, {"preds": preds}, step=int(trainer.state.step))
-    print(f"wrote {tuple(preds.shape)} predictions to {args.output}")
+    print(
+        f"wrote {tuple(preds.shape)} predictions to {args.output}; read them with "
+        f"functrain.checkpoint.restore({args.output!r})['preds']"
+    )
     return 0
 
 
@@ -150,16 +168,35 @@ def build_parser() -> argparse.ArgumentParser:
     from functrain.logging import cli as logging_cli
 
     parser = argparse.ArgumentParser(
-        prog="functrain", description="functional, JAX-style training for PyTorch"
+        prog="functrain",
+        description="functional, JAX-style training for PyTorch",
+        epilog=_SPECS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="train from a YAML config (key=value overrides allowed)")
+    train = sub.add_parser(
+        "train",
+        help="train from a YAML config (key=value overrides allowed)",
+        epilog=_SPECS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     train.add_argument("config", nargs="?", metavar="CONFIG.yaml")
     train.add_argument(
         "overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. optimizer.lr=3e-4"
     )
     train.add_argument("--help-config", action="store_true", help="list every config field with its default")
+    more = train.add_mutually_exclusive_group()
+    more.add_argument(
+        "--additional-epochs",
+        type=int,
+        metavar="N",
+        help="train N more epochs from the resumed step (with resume_from_checkpoint=true), also past an "
+        "early stop; epochs/max_steps count the whole run, so a finished run resumed without this returns at once",
+    )
+    more.add_argument(
+        "--additional-steps", type=int, metavar="N", help="train N more optimizer steps (as above)"
+    )
     train.set_defaults(func=_train)
 
     for name, fn, helptext in (
@@ -174,7 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
             "--split", choices=("eval", "test", "train"), default="test" if name == "predict" else "eval"
         )
         if name == "predict":
-            p.add_argument("--output", required=True, help="msgpack file for the predictions")
+            p.add_argument(
+                "--output",
+                required=True,
+                help="file for the predictions, a functrain checkpoint (msgpack, no pickle); read it in Python "
+                "with functrain.checkpoint.restore(PATH)['preds'] (a tensor, one row per example)",
+            )
         p.set_defaults(func=fn)
 
     summ = sub.add_parser("summary", help="print the model's parameters per module (trainable/frozen, bytes)")
@@ -200,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Configuration mistakes print the error (every problem, with its field and fix) and return 2.
     """
-    from functrain.config import ConfigError
+    from functrain.config.errors import ConfigError  # light: `functrain --help` imports no torch
 
     try:
         args = build_parser().parse_args(argv)

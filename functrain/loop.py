@@ -25,6 +25,7 @@ import dataclasses
 import json
 import math
 import os
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -35,7 +36,7 @@ from functrain.callbacks.base import Callback, Context
 from functrain.data import DataPosition, Loader
 from functrain.logging import History
 
-__all__ = ["FitResult", "LoopState", "evaluate", "fit", "predict"]
+__all__ = ["FitResult", "LoopState", "RunFinishedWarning", "evaluate", "fit", "predict"]
 
 _DATA_KEY = 0xDA7A
 
@@ -46,13 +47,19 @@ class LoopState:
 
     ``position``: where the data stream stands; ``callbacks``: each callback's ``state_dict()`` by name;
     ``history``: the logged scalars (JSON); ``window``: the running sums of the current logging window
-    (JSON), so a resumed run logs the same averages.
+    (JSON), so a resumed run logs the same averages; ``finished``: why the run ended for good (a final
+    stop request such as early stopping), ``""`` while it may go on.
     """
 
     position: DataPosition
     callbacks: dict[str, Any]
     history: str
     window: str
+    finished: str = ""
+
+
+class RunFinishedWarning(UserWarning):
+    """``fit`` had nothing to do: the run already ended (its length reached, or stopped for good)."""
 
 
 @dataclasses.dataclass
@@ -268,6 +275,8 @@ def fit(
     eval_data: Any = None,
     epochs: int | None = None,
     max_steps: int | None = None,
+    additional_epochs: int | None = None,
+    additional_steps: int | None = None,
     batch_size: int | None = None,
     eval_batch_size: int | None = None,
     eval_every: int | str | None = "epoch",
@@ -288,7 +297,15 @@ def fit(
         train_data: a :class:`functrain.data.Loader`, a torch ``DataLoader``, or a dataset with
             ``batch_size`` (shuffled per epoch with a key derived from ``state.rng``).
         eval_step, eval_data, eval_batch_size: evaluation (``make_eval_step``) and its data.
-        epochs, max_steps: the run's length (at least one; the run ends at whichever comes first).
+        epochs, max_steps: the run's length, counted from step 0 (at least one; the run ends at
+            whichever comes first). They count the *whole* run, not more of it, so the same call resumes
+            a run to the same end; a state already there returns at once with a
+            :class:`RunFinishedWarning`. To train more, raise them (``epochs=done + n``) or use:
+        additional_epochs, additional_steps: instead of ``epochs``/``max_steps``, train this many more
+            epochs or optimizer steps from where the state (or the resumed checkpoint) stands. A run
+            stopped mid-epoch counts the rest of that epoch as the first additional one. They also
+            continue a run that was stopped for good (by early stopping); rerunning the same call trains
+            more again.
         eval_every: a number of steps, ``"epoch"`` or ``None``.
         log_every: log (and sync the host) every this many steps; also at epoch ends.
         callbacks: :class:`functrain.callbacks.Callback` objects for this run.
@@ -298,7 +315,10 @@ def fit(
         save_every: a number of steps, ``"epoch"`` or ``None``; the final state is saved too.
         resume: ``True`` resumes from the latest checkpoint if there is one (else starts fresh), a step
             number or ``"best"`` from that checkpoint, a path from that checkpoint file; ``False`` starts
-            fresh.
+            fresh. A resumed run that had ended (its length reached, early stopping or another final stop
+            request) returns its final state at once, trains and logs nothing, and warns why
+            (:class:`RunFinishedWarning`). Without resume, a state that has already taken steps continues
+            the data stream where its step count puts it.
         progress: show a progress bar (``tqdm.auto``: terminal and notebook).
 
     Returns:
@@ -310,9 +330,23 @@ def fit(
     """
     from functrain.callbacks.progress import ProgressBar
 
-    if epochs is None and max_steps is None:
+    extending = additional_epochs is not None or additional_steps is not None
+    if not extending and epochs is None and max_steps is None:
         raise ValueError("fit: give epochs=... or max_steps=... (how long to train)")
-    for name, value in (("epochs", epochs), ("max_steps", max_steps), ("log_every", log_every)):
+    if extending and (
+        epochs is not None or max_steps is not None or None not in (additional_epochs, additional_steps)
+    ):
+        raise ValueError(
+            "fit: give one of epochs/max_steps (the run's total length) or one of additional_epochs/"
+            "additional_steps (more, from where the state stands), not several"
+        )
+    for name, value in (
+        ("epochs", epochs),
+        ("max_steps", max_steps),
+        ("additional_epochs", additional_epochs),
+        ("additional_steps", additional_steps),
+        ("log_every", log_every),
+    ):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"fit: {name} must be a positive int, got {value!r}")
     if (eval_step is None) != (eval_data is None):
@@ -335,13 +369,11 @@ def fit(
                 "functrain.distributed.initialize()"
             )
     bpe = loader.batches_per_epoch
-    if epochs is not None and bpe is None:
+    if (epochs is not None or additional_epochs is not None) and bpe is None:
         raise ValueError(
-            "fit: the training data has no length, so epochs=... cannot be counted; use max_steps"
+            "fit: the training data has no length, so epochs cannot be counted; use max_steps "
+            "(or additional_steps)"
         )
-    total = (
-        max_steps if epochs is None else (epochs * bpe if max_steps is None else min(max_steps, epochs * bpe))
-    )
 
     callbacks = list(callbacks)
     manager = _as_manager(checkpoints)
@@ -350,15 +382,18 @@ def fit(
 
         manager = next((cb.manager for cb in callbacks if isinstance(cb, ModelCheckpoint)), None)
     main = distributed.is_main_process()  # only rank 0 shows progress and writes logs
+    auto_bar = None
     if progress and main and not any(isinstance(cb, ProgressBar) for cb in callbacks):
-        callbacks.append(ProgressBar())
+        auto_bar = ProgressBar()
+        callbacks.append(auto_bar)
     names = _callback_names(callbacks)
     events = _Events(callbacks)
     loggers = list(loggers) if main else []
     history = history if history is not None else History()
     window = _Window()
     position = DataPosition()
-    ctx = Context(batches_per_epoch=bpe, max_steps=total, log_every=log_every, history=history)
+    ctx = Context(batches_per_epoch=bpe, log_every=log_every, history=history)
+    finished = ""  # why the run ended for good: recorded in its checkpoints
 
     def loop_state() -> LoopState:
         return LoopState(
@@ -366,6 +401,7 @@ def fit(
             callbacks={n: cb.state_dict() for n, cb in zip(names, callbacks)},
             history=json.dumps(history.as_dict()),
             window=window.to_json(),
+            finished=finished,
         )
 
     # ---- resume
@@ -386,6 +422,7 @@ def fit(
             history = History.from_dict(json.loads(saved["history"]))
             ctx.history = history
             window = _Window.from_json(saved["window"], state.params)
+            finished = str(saved.get("finished", ""))
             if resume_file:
                 restored_path = os.fspath(resume)
             else:
@@ -396,7 +433,18 @@ def fit(
         raise ValueError("fit: resume needs checkpoints=CheckpointManager(...) (or a directory)")
 
     host_step = int(state.step)
-    ctx.step = host_step
+    if restored_path is None and host_step > 0 and bpe is not None:
+        position = DataPosition.from_batch_count(host_step, bpe)  # continue the stream, as a resume would
+    num_epochs, total = _run_length(
+        epochs, max_steps, additional_epochs, additional_steps, bpe, host_step, position
+    )
+    ctx.step, ctx.max_steps = host_step, total
+    nothing_to_do = _nothing_to_do(finished, extending, host_step, total, epochs, max_steps, bpe)
+    if nothing_to_do:
+        warnings.warn(nothing_to_do, RunFinishedWarning, stacklevel=2)
+        events = _Events([cb for cb in callbacks if cb is not auto_bar])
+    elif extending:
+        finished = ""
     if restored_path is not None:
         from functrain.checkpoint.file import read_header
 
@@ -454,12 +502,12 @@ def fit(
         ctx.checkpoint_path = restored_path
         state = events("checkpoint_restored", state, ctx)
 
-    stop_reason = ""
-    last_saved = host_step if restored_path is not None else -1
+    stop_reason = finished if nothing_to_do else ""
+    last_saved = host_step if restored_path is not None or nothing_to_do else -1
     epoch_started = None
     try:
-        if host_step < total:
-            stream = loader.iterate(position, num_epochs=epochs)
+        if not nothing_to_do:
+            stream = loader.iterate(position, num_epochs=num_epochs)
             for next_position, batch in stream:
                 epoch, index = next_position.as_tuple()
                 ctx.epoch, ctx.batch_index = epoch, index - 1
@@ -474,6 +522,7 @@ def fit(
                 host_step += 1
                 position = next_position
                 ctx.step, ctx.batch_index, ctx.metrics = host_step, index, metrics
+                ctx.compiles = sum(getattr(fn, "num_compiles", 0) for fn in (train_step, eval_step))
                 window.add(metrics)
                 epoch_done = bpe is not None and index == bpe
                 ctx.logging_step = host_step % log_every == 0 or epoch_done or host_step >= total
@@ -490,14 +539,16 @@ def fit(
                 )
                 if eval_step is not None and (due_eval or control.should_evaluate):
                     state = do_eval(state)
+                stop = control.should_stop
+                stop_reason = control.stop_reason if stop else ""
+                if stop and control.stop_is_final:
+                    finished = stop_reason or "a callback stopped the run"  # saved below: stays finished
                 due_save = (save_steps_every and host_step % save_steps_every == 0) or (
                     save_at_epoch and epoch_done
                 )
                 if due_save or control.should_save:
                     state = do_save(state)
                     last_saved = host_step
-                stop = control.should_stop
-                stop_reason = control.stop_reason if stop else ""
                 ctx.control = type(control)()
                 ctx.batch = None
                 if stop or host_step >= total:
@@ -512,6 +563,59 @@ def fit(
             manager.wait_until_finished()
     state = events("train_end", state, ctx)
     return FitResult(state=state, history=history, eval_metrics=ctx.eval_metrics, stop_reason=stop_reason)
+
+
+def _run_length(
+    epochs: int | None,
+    max_steps: int | None,
+    additional_epochs: int | None,
+    additional_steps: int | None,
+    bpe: int | None,
+    host_step: int,
+    position: DataPosition,
+) -> tuple[int | None, int]:
+    """``(epochs to iterate up to, total optimizer steps)`` of this call, counted from step 0."""
+    if additional_steps is not None:
+        return None, host_step + additional_steps
+    if additional_epochs is not None:
+        assert bpe is not None
+        num_epochs = position.normalized(bpe).as_tuple()[0] + additional_epochs
+        return num_epochs, num_epochs * bpe
+    if epochs is None:
+        assert max_steps is not None
+        return None, max_steps
+    assert bpe is not None
+    return epochs, epochs * bpe if max_steps is None else min(max_steps, epochs * bpe)
+
+
+def _nothing_to_do(
+    finished: str,
+    extending: bool,
+    host_step: int,
+    total: int,
+    epochs: int | None,
+    max_steps: int | None,
+    bpe: int | None,
+) -> str:
+    """Why this ``fit`` call has nothing to train (the warning's text), or ``""``."""
+    if finished and not extending:
+        why = f"the run was stopped for good at step {host_step}: {finished}"
+    elif host_step >= total:
+        length = " and ".join(f"{k}={v}" for k, v in (("epochs", epochs), ("max_steps", max_steps)) if v)
+        why = (
+            f"the state is at step {host_step}, and {length or 'this length'} ends the run at step {total} "
+            "(epochs and max_steps count the whole run from step 0, so that the same call resumes a run)"
+        )
+    else:
+        return ""
+    more = ""
+    if not finished:
+        more = f"epochs={host_step // bpe + 1}, " if epochs and bpe else f"max_steps={host_step}+N, "
+    return (
+        f"fit: nothing to do, returning the state as it is: {why}. To train more, pass "
+        f"{more}additional_epochs=N or additional_steps=N (Trainer.train takes the same; the CLI: "
+        "functrain train ... --additional-epochs N)"
+    )
 
 
 def _onto(target: Any, saved: Any) -> Any:

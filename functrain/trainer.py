@@ -300,11 +300,22 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ public API
 
-    def train(self) -> FitResult:
+    def train(
+        self, *, additional_epochs: int | None = None, additional_steps: int | None = None
+    ) -> FitResult:
         """Run training as configured; returns the :class:`functrain.FitResult` (``self.state`` is updated).
 
         Refuses to start in an ``output_dir`` holding an earlier run unless ``overwrite_output_dir`` or
         ``resume_from_checkpoint`` says what to do with it. Saves the resolved config there.
+
+        ``epochs``/``max_steps`` are the run's total length: resuming a run that reached it, or that early
+        stopping ended, returns its final state at once with a :class:`functrain.RunFinishedWarning`.
+        ``additional_epochs``/``additional_steps`` train that much more from the current (or resumed)
+        step instead, past an early stop too (the learning-rate schedule keeps its configured horizon).
+
+        Example:
+            >>> trainer.train()  # epochs=10
+            >>> trainer.train(additional_epochs=5)  # 5 more, with resume_from_checkpoint: true
         """
         cfg = self.config
         if self.train_dataset is None:
@@ -326,6 +337,7 @@ class Trainer:
         )
         resume = self._resume_argument(manager)
         loggers = self._loggers(out / cfg.logs_dir)
+        extending = additional_epochs is not None or additional_steps is not None
         result = fit(
             self.state,
             self._jit("train", self.train_step),
@@ -334,8 +346,10 @@ class Trainer:
             eval_data=self._loader(self.eval_dataset, cfg.resolved_eval_batch_size, train=False)
             if cfg.eval_strategy != "no"
             else None,
-            epochs=cfg.epochs,
-            max_steps=cfg.max_steps,
+            epochs=None if extending else cfg.epochs,
+            max_steps=None if extending else cfg.max_steps,
+            additional_epochs=additional_epochs,
+            additional_steps=additional_steps,
             eval_every=self._every(cfg.eval_strategy, cfg.eval_steps),
             save_every=self._every(cfg.save_strategy, cfg.save_steps),
             log_every=cfg.log_steps,

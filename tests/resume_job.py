@@ -52,7 +52,7 @@ class StopAt(ft.callbacks.Callback):
             time.sleep(self.sleep)
             print(f"STEP {ctx.step}", flush=True)
         if self.step is not None and ctx.step == self.step:
-            ctx.control.stop("test interruption")
+            ctx.control.stop("test interruption", final=False)  # resumable, as preemption
         return state
 
 

@@ -157,6 +157,15 @@ BAD_CONFIGS: list[tuple[dict[str, Any], str, str]] = [
     ({"epochs": 1, "eval_dataset": {"args": [1]}}, "eval_dataset.target", "missing"),
     ({"epochs": 1, "test_dataset": {"target": "math:pi", "args": 3}}, "test_dataset.args", "must be a list"),
     ({"epochs": 1, "loss": {"name": "torch.nn:NoSuchLoss"}}, "loss.name", "has no attribute 'NoSuchLoss'"),
+    # a torch optimizer argument goes to the pass-through args, not "remove it"
+    ({"epochs": 1, "optimizer": {"betas": [0.9, 0.95]}}, "optimizer.betas", "move it into optimizer.args"),
+    ({"epochs": 1, "loss": {"reduction": "sum"}}, "loss.reduction", "loss.args.reduction=..."),
+    # the same words in another order beat edit distance
+    (
+        {"epochs": 1, "scheduler": {"name": "cosine_warmup"}},
+        "scheduler.name",
+        "did you mean 'warmup_cosine'?",
+    ),
 ]
 
 

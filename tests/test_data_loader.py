@@ -204,11 +204,17 @@ def test_wrapped_dataloader_with_set_epoch_resumes_exactly():
     assert [b[0].tolist() for b in loader.epoch(1, start_index=1)] == epoch1[1:]
 
 
-def test_wrapped_dataloader_without_reproducible_order_warns():
+def test_wrapped_dataloader_without_reproducible_order_warns_only_when_resumed():
     dataset = TensorDataset(torch.arange(6))
-    with pytest.warns(ResumeWarning, match="RandomSampler has no generator"):
-        loader = Loader(DataLoader(dataset, batch_size=2, shuffle=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a run from the start: nothing to warn about
+        loader = Loader(DataLoader(dataset, batch_size=2, shuffle=True), prefetch=0)
+        assert len(list(loader.epoch(0))) == 3 and len(list(loader.iterate(num_epochs=1))) == 3
     assert not loader.exact_resume
+    with pytest.warns(ResumeWarning, match="at epoch 1, batch 1 .* RandomSampler has no generator"):
+        assert len(list(loader.iterate(DataPosition(1, 1), num_epochs=2))) == 2
+    with pytest.warns(ResumeWarning, match="at epoch 0, batch 2"):
+        Loader(DataLoader(dataset, batch_size=2, shuffle=True), prefetch=0).epoch(0, 2)
     sequential = Loader(DataLoader(dataset, batch_size=2), prefetch=0)
     assert sequential.exact_resume
     assert [b[0].tolist() for b in sequential.epoch(0, 1)] == [[2, 3], [4, 5]]

@@ -47,8 +47,18 @@ def test_notebook_executes_headless(tmp_path: Path, monkeypatch):
 
     for key, value in small_env(tmp_path).items():
         monkeypatch.setenv(key, value)
+    monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's own default: inline
     nb = nbformat.read(EXAMPLES / "train_digits.ipynb", as_version=4)
     NotebookClient(
         nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
     ).execute()
     assert (tmp_path / "curves.png").stat().st_size > 1000  # execute() raised on any error cell
+    # the figure is shown inline, in the plotting cell's outputs, not only saved
+    shown = [
+        out
+        for cell in nb.cells
+        if cell.cell_type == "code"
+        for out in cell.get("outputs", [])
+        if out.get("output_type") == "display_data" and "image/png" in out.get("data", {})
+    ]
+    assert len(shown) == 1

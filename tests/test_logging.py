@@ -167,3 +167,35 @@ def test_plot_run_writes_png_and_cli(tmp_path, capsys) -> None:
     assert (tmp_path / "metrics.png").stat().st_size > 0
     assert main([str(tmp_path / "missing")]) == 2
     assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_plot_takes_the_run_directory_and_leaves_eta_and_the_backend_alone(tmp_path, capsys) -> None:
+    import matplotlib
+
+    run = tmp_path / "runs" / "x"
+    with flog.JSONLWriter(run / "logs") as writer:
+        for step in range(1, 4):
+            writer.write(step, {"time/eta_s": 900.0 / step})
+        writer.write(4, {"train/loss": 0.5})
+    assert flog.find_metrics(run) == run / "logs" / "metrics.jsonl"
+    assert main([str(run)]) == 0  # what the help says: the run directory
+    assert (run / "metrics.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="no scalars named"):
+        flog.plot_run(run, tmp_path / "eta.png", names=["train/loss", "time/eta"])
+    assert flog.plot_run(run, tmp_path / "eta.png", names=["time/eta_s"]).exists()  # when asked for
+
+    backend = matplotlib.get_backend()
+    try:
+        matplotlib.use("svg")  # e.g. a notebook's inline backend: plotting must not switch it to Agg
+        flog.plot_run(run, tmp_path / "again.png")
+        assert matplotlib.get_backend() == "svg"
+    finally:
+        matplotlib.use(backend)
+    capsys.readouterr()
+
+
+def test_plot_skips_eta_by_default(tmp_path) -> None:
+    with flog.JSONLWriter(tmp_path) as writer:
+        writer.write(1, {"time/eta_s": 500.0})
+    with pytest.raises(ValueError, match="holds no scalars to plot"):
+        flog.plot_run(tmp_path, tmp_path / "x.png")

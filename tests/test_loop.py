@@ -227,3 +227,137 @@ def test_non_finite_guard_names_the_step():
     assert torch.equal(result.state.params["0.weight"], state.params["0.weight"]), (
         "the bad update is not kept"
     )
+
+
+# ------------------------------------------------------------------ a finished run stays finished
+
+
+def _early_stopped_run(tmp_path, **extra):
+    """An early-stopped run: min_delta so large that nothing counts as an improvement."""
+    _, state, train_step, eval_step = setup()
+    stopper = ft.callbacks.EarlyStopping("eval/loss", patience=2, min_delta=1e9)
+    run = dict(
+        batch_size=8,
+        eval_step=eval_step,
+        eval_data=dataset(16, seed=1),
+        checkpoints=tmp_path / "ckpt",
+        save_every="epoch",
+        loggers=[ft.logging.JSONLWriter(tmp_path / "logs")],
+        progress=False,
+    )
+    run.update(extra)
+    return state, train_step, stopper, run
+
+
+def test_resume_of_an_early_stopped_run_returns_it_at_once_and_says_why(tmp_path):
+    state, train_step, stopper, run = _early_stopped_run(tmp_path)
+    first = ft.fit(state, train_step, dataset(40), epochs=10, callbacks=[stopper], resume=True, **run)
+    # the first evaluation sets `best`, then two without improvement: stopped after epoch 3 (5 steps each)
+    assert int(first.state.step) == 15 and first.stop_reason.startswith("early stopping")
+    logs = (tmp_path / "logs" / "metrics.jsonl").read_text()
+    saved = ft.checkpoint.CheckpointManager(tmp_path / "ckpt").all_steps()
+
+    stopper2 = ft.callbacks.EarlyStopping("eval/loss", patience=2, min_delta=1e9)
+    run["loggers"] = [ft.logging.JSONLWriter(tmp_path / "logs")]
+    with pytest.warns(
+        ft.RunFinishedWarning, match=r"stopped for good at step 15: early stopping.*additional_epochs"
+    ):
+        again = ft.fit(state, train_step, dataset(40), epochs=10, callbacks=[stopper2], resume=True, **run)
+    assert int(again.state.step) == 15 and again.stop_reason == first.stop_reason
+    assert (tmp_path / "logs" / "metrics.jsonl").read_text() == logs  # nothing appended
+    assert ft.checkpoint.CheckpointManager(tmp_path / "ckpt").all_steps() == saved
+    assert all(torch.equal(again.state.params[k], first.state.params[k]) for k in first.state.params)
+
+    # an explicit request trains on: one more epoch from step 15
+    run["loggers"] = [ft.logging.JSONLWriter(tmp_path / "logs")]
+    more = ft.fit(
+        state, train_step, dataset(40), additional_epochs=1, callbacks=[stopper2], resume=True, **run
+    )
+    assert int(more.state.step) == 20
+
+
+def test_resume_of_a_run_that_reached_its_length_trains_nothing(tmp_path):
+    _, state, train_step, _ = setup()
+    run = dict(batch_size=8, checkpoints=tmp_path / "ckpt", progress=False)
+    first = ft.fit(
+        state, train_step, dataset(40), epochs=2, loggers=[ft.logging.JSONLWriter(tmp_path / "l")], **run
+    )
+    logs = (tmp_path / "l" / "metrics.jsonl").read_text()
+    with pytest.warns(
+        ft.RunFinishedWarning, match=r"at step 10, and epochs=2 ends the run at step 10.*epochs=3"
+    ):
+        again = ft.fit(
+            state,
+            train_step,
+            dataset(40),
+            epochs=2,
+            resume=True,
+            loggers=[ft.logging.JSONLWriter(tmp_path / "l")],
+            **run,
+        )
+    assert int(again.state.step) == 10 and again.stop_reason == ""
+    assert (tmp_path / "l" / "metrics.jsonl").read_text() == logs
+    assert torch.equal(again.state.params["0.weight"], first.state.params["0.weight"])
+    assert int(ft.fit(state, train_step, dataset(40), epochs=3, resume=True, **run).state.step) == 15
+
+
+def test_fit_again_on_a_finished_state_warns_and_additional_epochs_trains_more():
+    _, state, train_step, _ = setup()
+    data = dataset(40)
+    first = ft.fit(state, train_step, data, batch_size=8, epochs=1, progress=False)
+    with pytest.warns(ft.RunFinishedWarning, match=r"count the whole run.*epochs=2, additional_epochs=N"):
+        same = ft.fit(first.state, train_step, data, batch_size=8, epochs=1, progress=False)
+    assert same.state is first.state or int(same.state.step) == 5
+    more = ft.fit(first.state, train_step, data, batch_size=8, additional_epochs=2, progress=False)
+    # two more epochs, continuing the data stream (epochs 1 and 2), as one 3-epoch run does
+    whole = ft.fit(state, train_step, data, batch_size=8, epochs=3, progress=False)
+    assert int(more.state.step) == 15
+    assert all(torch.equal(more.state.params[k], whole.state.params[k]) for k in whole.state.params)
+    steps = ft.fit(first.state, train_step, data, batch_size=8, additional_steps=3, progress=False)
+    assert int(steps.state.step) == 8
+    with pytest.raises(ValueError, match="not several"):
+        ft.fit(first.state, train_step, data, batch_size=8, epochs=2, additional_epochs=1)
+
+
+def test_a_non_final_stop_leaves_the_run_resumable(tmp_path):
+    _, state, train_step, _ = setup()
+
+    class Pause(ft.callbacks.Callback):
+        def on_step_end(self, state, ctx):
+            if ctx.step == 3:
+                ctx.control.stop("paused", final=False)
+            return state
+
+    run = dict(batch_size=8, epochs=2, checkpoints=tmp_path / "ckpt", resume=True, progress=False)
+    assert ft.fit(state, train_step, dataset(40), callbacks=[Pause()], **run).stop_reason == "paused"
+    assert int(ft.fit(state, train_step, dataset(40), **run).state.step) == 10
+
+
+def test_timer_eta_leaves_windows_with_a_compilation_out(monkeypatch):
+    """A compile takes minutes once; an ETA from a window holding one would predict hours."""
+    from functrain.callbacks import monitors
+
+    clock = iter([0.0, 100.0, 101.0, 150.0])  # train_begin, then three logging steps
+    monkeypatch.setattr(monitors.time, "perf_counter", lambda: next(clock))
+    timer = ft.callbacks.Timer()
+    ctx = ft.callbacks.Context(max_steps=100, history=ft.logging.History())
+    timer.on_train_begin(None, ctx)
+    for step in range(1, 31):
+        ctx.step, ctx.logging_step = step, step % 10 == 0
+        ctx.compiles = 1 if step < 21 else 2  # the first step compiles; an evaluation compiles after step 20
+        timer.on_step_end(None, ctx)
+    # window 1 (99 s of compiling): no ETA; window 2: 10 steps/s, 80 steps left; window 3 compiled: the
+    # ETA keeps window 2's rate (70 steps left), not 10 steps / 49 s
+    assert ctx.history.series("time/eta_s") == [(20, 8.0), (30, 7.0)]
+    assert [s for s, _ in ctx.history.series("time/steps_per_s")] == [10, 20, 30]
+
+
+def test_a_plain_dataloader_without_resume_does_not_warn():
+    import warnings
+
+    _, state, train_step, _ = setup()
+    loader = torch.utils.data.DataLoader(dataset(40), batch_size=8, shuffle=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # ResumeWarning included: nothing is resumed here
+        result = ft.fit(state, train_step, loader, epochs=1, progress=False)
+    assert int(result.state.step) == 5

@@ -151,3 +151,21 @@ def test_every_tested_update_traces_in_one_fullgraph() -> None:
     for case in cases:
         for key in eager[case]:
             assert torch.equal(traced[case][key], eager[case][key]), (case, key)
+
+
+def test_the_adapter_imports_no_private_torchmetrics_names():
+    """Private helpers move between torchmetrics releases; the adapter uses public names only."""
+    import ast
+    import inspect as _inspect
+
+    from functrain.metrics import torchmetric
+
+    tree = ast.parse(_inspect.getsource(torchmetric))
+    private = [
+        f"{node.module}.{alias.name}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torchmetrics")
+        for alias in node.names
+        if alias.name.startswith("_")
+    ]
+    assert private == []

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from test_checkpoint_helpers import assert_bit_equal
 from test_resume import jsonl
 from trainer_fixtures import SmallNet, make_dataset
@@ -207,8 +208,99 @@ def test_cli_train_eval_predict(tmp_path: Path, capsys, monkeypatch):
     assert cli(["eval", str(path)]) == 0
     assert "eval/accuracy" in json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert cli(["predict", str(path), "--output", str(tmp_path / "preds.ckpt")]) == 0
+    assert "functrain.checkpoint.restore(" in capsys.readouterr().out  # says how to read the file
     assert checkpoint.restore(tmp_path / "preds.ckpt")["preds"].shape == (16, 3)
     assert cli(["inspect", str(tmp_path / "preds.ckpt")]) == 0
+
+
+def test_cli_resume_of_an_early_stopped_run_stays_finished(tmp_path: Path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(HERE))
+    early = {"monitor": "loss", "patience": 1, "min_delta": 1e9}  # nothing counts as an improvement
+    path = write_config(tmp_path, epochs=10, early_stopping=early, test_dataset=None)
+    assert cli(["train", str(path)]) == 0
+    first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert first["step"] == 8 and first["stop_reason"].startswith("early stopping")
+    logs = (tmp_path / "cli_run" / "logs" / "metrics.jsonl").read_text()
+    with pytest.warns(ft.RunFinishedWarning, match="stopped for good at step 8: early stopping"):
+        assert cli(["train", str(path), "resume_from_checkpoint=true"]) == 0
+    again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert again["step"] == 8 and again["stop_reason"] == first["stop_reason"]
+    assert (tmp_path / "cli_run" / "logs" / "metrics.jsonl").read_text() == logs
+    assert cli(["train", str(path), "resume_from_checkpoint=true", "--additional-epochs", "1"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 12
+
+
+_MYTASK = """
+import torch
+from trainer_fixtures import SmallNet, make_dataset
+
+
+class Net(SmallNet):
+    pass
+
+
+def train_set():
+    return make_dataset(48)
+
+
+def needs_args(n):
+    return make_dataset(n)
+"""
+
+
+def _user_project(tmp_path: Path, monkeypatch, module: str, **fields) -> Path:
+    """A user's directory: ``<module>.py`` beside ``run.yaml``; the CLI runs from elsewhere, no PYTHONPATH."""
+    monkeypatch.setattr(sys, "path", [*sys.path, str(HERE)])  # trainer_fixtures only; restored after
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / f"{module}.py").write_text(_MYTASK)
+    cfg = {
+        "output_dir": str(tmp_path / "run"),
+        "model": f"{module}:Net",
+        "train_dataset": f"{module}:train_set",
+        "epochs": 1,
+        "batch_size": 16,
+        "compile": False,
+        "progress_bar": False,
+        "eval_strategy": "no",
+        "device": "cpu",
+        **fields,
+    }
+    (project / "run.yaml").write_text(yaml.safe_dump(cfg))
+    return project
+
+
+def test_cli_imports_a_module_beside_the_config_and_calls_a_function_spec(tmp_path, capsys, monkeypatch):
+    project = _user_project(tmp_path, monkeypatch, "mytask_beside")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert cli(["train", str(project / "run.yaml")]) == 0, capsys.readouterr().err
+    # train_set is a function: called, its 48 examples give 3 steps (not "the dataset has no length")
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 3
+
+
+def test_cli_imports_a_module_from_the_current_directory(tmp_path, capsys, monkeypatch):
+    project = _user_project(tmp_path, monkeypatch, "mytask_cwd")
+    (tmp_path / "configs").mkdir()
+    (project / "run.yaml").rename(tmp_path / "configs" / "run.yaml")
+    monkeypatch.chdir(project)
+    assert cli(["train", str(tmp_path / "configs" / "run.yaml")]) == 0, capsys.readouterr().err
+
+
+def test_cli_missing_module_and_function_needing_arguments_are_explained(tmp_path, capsys, monkeypatch):
+    project = _user_project(tmp_path, monkeypatch, "mytask_errors", model="nosuchmodule_xyz:Net")
+    monkeypatch.chdir(tmp_path)
+    assert cli(["train", str(project / "run.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "no module named 'nosuchmodule_xyz'" in err
+    assert f"the config's directory ({project})" in err and f"the current directory ({tmp_path})" in err
+    assert "PYTHONPATH" in err
+    path = project / "run.yaml"
+    path.write_text(path.read_text().replace("nosuchmodule_xyz:Net", "mytask_errors:Net"))
+    assert cli(["train", str(path), "train_dataset=mytask_errors:needs_args"]) == 2
+    err = capsys.readouterr().err
+    assert "train_dataset" in err and "called with no arguments" in err and "kwargs" in err
 
 
 @pytest.mark.parametrize(

@@ -70,14 +70,21 @@ class Control:
 
     should_stop: bool = False
     stop_reason: str = ""
+    stop_is_final: bool = True
     should_evaluate: bool = False
     should_save: bool = False
     should_log: bool = False
 
-    def stop(self, reason: str = "") -> None:
-        """Ask the loop to end the run after the current step (final evaluation/saving still happen)."""
+    def stop(self, reason: str = "", *, final: bool = True) -> None:
+        """Ask the loop to end the run after the current step (final evaluation/saving still happen).
+
+        A ``final`` stop (early stopping, a callback deciding the run is done) is recorded in the
+        checkpoint: resuming the run returns its final state instead of training on. ``final=False``
+        (preemption) leaves the run resumable.
+        """
         self.should_stop = True
         self.stop_reason = reason or self.stop_reason
+        self.stop_is_final = final
 
     def evaluate(self) -> None:
         """Ask for an evaluation after the current step."""
@@ -111,6 +118,8 @@ class Context:
         batch: the current batch (train or eval), ``previous_state``: the state before the current step
             (``None`` when the step donates its input).
         checkpoint_path: set for ``checkpoint_saved`` / ``checkpoint_restored``.
+        compiles: graphs the run's train and eval steps have compiled so far (``CompiledStep.num_compiles``);
+            a change tells a timer that the last steps included a compilation.
     """
 
     step: int = 0
@@ -129,6 +138,7 @@ class Context:
     previous_state: Any = None
     checkpoint_path: str | None = None
     phase: str = "train"
+    compiles: int = 0
 
 
 class Callback:

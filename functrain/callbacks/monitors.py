@@ -43,7 +43,9 @@ class Timer(Callback):
     """Steps/s, samples/s, ETA and peak memory over each logging window (LiBai's IterationTimer).
 
     Times are host wall-clock between logging steps; on an accelerator the loop's logging sync makes
-    them honest without adding any sync of the timer's own.
+    them honest without adding any sync of the timer's own. ``time/eta_s`` uses the rate of the latest
+    window in which no step compiled (``ctx.compiles`` unchanged): a compile takes seconds to minutes
+    once, and counting it in the rate would predict hours. Until such a window, no ETA is logged.
 
     Example:
         >>> timer = Timer()
@@ -55,10 +57,13 @@ class Timer(Callback):
         self._steps = 0
         self._samples = 0
         self.total_time = 0.0
+        self._compiles = 0
+        self._warm_rate: float | None = None
 
     def on_train_begin(self, state: Any, ctx: Context) -> Any:
         self._t0 = time.perf_counter()
         self._start = self._t0
+        self._compiles, self._warm_rate = ctx.compiles, None
         return state
 
     def on_step_end(self, state: Any, ctx: Context) -> Any:
@@ -71,10 +76,12 @@ class Timer(Callback):
             rate = self._steps / dt
             ctx.history.put("time/steps_per_s", rate, ctx.step)
             ctx.history.put("time/samples_per_s", self._samples / dt, ctx.step)
-            if ctx.max_steps:
-                ctx.history.put("time/eta_s", (ctx.max_steps - ctx.step) / rate, ctx.step)
+            if ctx.compiles == self._compiles:  # a steady-state window: no compilation in it
+                self._warm_rate = rate
+            if ctx.max_steps and self._warm_rate is not None:
+                ctx.history.put("time/eta_s", (ctx.max_steps - ctx.step) / self._warm_rate, ctx.step)
             ctx.history.put("memory/peak_mb", peak_memory_mb(state), ctx.step)
-            self._t0, self._steps, self._samples = now, 0, 0
+            self._t0, self._steps, self._samples, self._compiles = now, 0, 0, ctx.compiles
         return state
 
     def on_train_end(self, state: Any, ctx: Context) -> Any:

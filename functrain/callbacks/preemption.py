@@ -43,7 +43,7 @@ class Preemption(Callback):
     def on_step_end(self, state: Any, ctx: Context) -> Any:
         if self.received is not None:
             ctx.control.save()
-            ctx.control.stop(f"preempted by {signal.Signals(self.received).name}")
+            ctx.control.stop(f"preempted by {signal.Signals(self.received).name}", final=False)
         return state
 
     def on_train_end(self, state: Any, ctx: Context) -> Any:

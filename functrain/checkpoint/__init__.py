@@ -17,13 +17,32 @@ Example:
     ([2, 3], tensor([3., 3.]))
 """
 
-from functrain.checkpoint.errors import CheckpointError
-from functrain.checkpoint.file import read_header, restore, save
-from functrain.checkpoint.format import CheckpointHeader, TensorInfo
-from functrain.checkpoint.interop import export, to_state_dict
-from functrain.checkpoint.manager import CheckpointManager
-from functrain.checkpoint.partial import InitReport, init_weights_from
-from functrain.checkpoint.sources import load_state_dict
+from typing import TYPE_CHECKING
+
+from functrain import _lazy
+
+# imported on first use, so `functrain inspect --help` (and `functrain --help`) load no torch
+_lazy.install(
+    __name__,
+    {
+        "CheckpointError": "functrain.checkpoint.errors",
+        **dict.fromkeys(("read_header", "restore", "save"), "functrain.checkpoint.file"),
+        **dict.fromkeys(("CheckpointHeader", "TensorInfo"), "functrain.checkpoint.format"),
+        **dict.fromkeys(("export", "to_state_dict"), "functrain.checkpoint.interop"),
+        "CheckpointManager": "functrain.checkpoint.manager",
+        **dict.fromkeys(("InitReport", "init_weights_from"), "functrain.checkpoint.partial"),
+        "load_state_dict": "functrain.checkpoint.sources",
+    },
+)
+
+if TYPE_CHECKING:
+    from functrain.checkpoint.errors import CheckpointError
+    from functrain.checkpoint.file import read_header, restore, save
+    from functrain.checkpoint.format import CheckpointHeader, TensorInfo
+    from functrain.checkpoint.interop import export, to_state_dict
+    from functrain.checkpoint.manager import CheckpointManager
+    from functrain.checkpoint.partial import InitReport, init_weights_from
+    from functrain.checkpoint.sources import load_state_dict
 
 __all__ = [
     "CheckpointError",

@@ -18,14 +18,14 @@ import sys
 from typing import Any
 
 from functrain.checkpoint.errors import CheckpointError
-from functrain.checkpoint.file import read_header
-from functrain.checkpoint.interop import export
 from functrain.checkpoint.memory import human_size
 
 __all__ = ["register"]
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from functrain.checkpoint.file import read_header  # torch: only when the command runs
+
     header = read_header(args.checkpoint)
     out = sys.stdout
     print(f"checkpoint: {args.checkpoint}", file=out)
@@ -48,6 +48,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from functrain.checkpoint.interop import export
+
     state_dict = export(args.checkpoint, args.output, format=args.format)
     print(f"wrote {len(state_dict)} tensors to {args.output} ({args.format})")
     return 0

@@ -25,7 +25,7 @@ Example:
 
 from functrain.config.errors import ConfigError, Problem
 from functrain.config.help import config_help
-from functrain.config.imports import ImportSpec, resolve_object
+from functrain.config.imports import ImportSpec, add_import_dirs, build_object, resolve_object
 from functrain.config.names import OPTIMIZER_NAMES, SCHEDULER_NAMES, metric_mode
 from functrain.config.sections import (
     EarlyStoppingConfig,
@@ -50,6 +50,8 @@ __all__ = [
     "Problem",
     "SchedulerConfig",
     "TrainerConfig",
+    "add_import_dirs",
+    "build_object",
     "config_help",
     "metric_mode",
     "resolve_object",

@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -77,15 +78,28 @@ class ConfigError(ValueError):
 def did_you_mean(name: str, candidates: Iterable[str], *, cutoff: float = 0.6) -> list[str]:
     """The candidates closest to ``name`` (case-insensitive), best first, at most three.
 
+    Names made of the same words in another order come first, alone (``cosine_warmup`` ->
+    ``warmup_cosine``, which plain edit distance ranks below ``cosine``).
+
     Example:
         >>> did_you_mean("lrr", ["lr", "args", "name"])
         ['lr']
+        >>> did_you_mean("cosine_warmup", ["cosine", "warmup_cosine", "linear"])
+        ['warmup_cosine']
     """
     by_lower: dict[str, str] = {}
     for candidate in candidates:
         by_lower.setdefault(candidate.lower(), candidate)
+    words = _words(name)
+    same_words = [c for low, c in by_lower.items() if len(words) > 1 and _words(low) == words]
+    if same_words:
+        return same_words[:3]
     matches = difflib.get_close_matches(name.lower(), list(by_lower), n=3, cutoff=cutoff)
     return [by_lower[m] for m in matches]
+
+
+def _words(name: str) -> frozenset[str]:
+    return frozenset(w for w in re.split(r"[_\-\s.]+", name.lower()) if w)
 
 
 def suggestion(name: str, candidates: Iterable[str]) -> str:

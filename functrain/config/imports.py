@@ -9,7 +9,14 @@ A spec is either
   are given). Nested specs inside ``args``/``kwargs`` are *not* resolved: write a factory function.
 
 Validating a config imports the module and looks the attribute up (so a typo fails before training),
-but only :func:`resolve_object` calls it.
+but only :func:`resolve_object` calls it. :func:`build_object` is what the ``functrain`` command does
+for the objects a run needs (model, datasets): the string form naming a **class or a function** calls
+it with no arguments too (``model: mytask:Net``, ``train_dataset: mytask:load_train``); any other object
+(an instance, a list) is used as it is. Give arguments with the mapping form.
+
+Where modules are found: ``sys.path``; the ``functrain`` command first adds the config file's
+directory and the current directory (:func:`add_import_dirs`), so ``mytask.py`` beside ``run.yaml``
+imports without ``PYTHONPATH``.
 
 Example:
     >>> resolve_object({"target": "torch.nn:Linear", "args": [4, 2], "kwargs": {"bias": False}})
@@ -21,6 +28,8 @@ Example:
 from __future__ import annotations
 
 import importlib
+import inspect
+import os
 import pkgutil
 import sys
 from collections.abc import Mapping
@@ -28,12 +37,39 @@ from typing import Any
 
 from functrain.config.errors import ConfigError, Problem, suggestion
 
-__all__ = ["ImportSpec", "check_import_spec", "normalize_import_spec", "resolve_object"]
+__all__ = [
+    "ImportSpec",
+    "add_import_dirs",
+    "build_object",
+    "check_import_spec",
+    "normalize_import_spec",
+    "resolve_object",
+]
 
 ImportSpec = str | dict[str, Any]
 
 _SPEC_KEYS = ("target", "args", "kwargs")
 _FORM = "write 'package.module:attr' or {target: 'package.module:attr', args: [...], kwargs: {...}}"
+_ADDED_DIRS: list[tuple[str, str]] = []  # (what, directory) put on sys.path by add_import_dirs
+
+
+def add_import_dirs(dirs: dict[str, str | os.PathLike[str]]) -> None:
+    """Put directories at the front of ``sys.path`` (first given, first searched) for import specs.
+
+    ``dirs`` maps a description (``"the config's directory"``) to a directory; a missing-module error
+    then lists them. They stay on the path for the process, so data-loader workers import the same
+    modules.
+
+    Example:
+        >>> add_import_dirs({"the current directory": "."})  # doctest: +SKIP
+    """
+    for what, directory in reversed(list(dirs.items())):
+        directory = os.path.abspath(directory)
+        if directory in sys.path:
+            sys.path.remove(directory)
+        sys.path.insert(0, directory)
+        _ADDED_DIRS[:] = [(w, d) for w, d in _ADDED_DIRS if d != directory]
+        _ADDED_DIRS.insert(0, (what, directory))
 
 
 def normalize_import_spec(spec: Any, path: str = "spec") -> ImportSpec:
@@ -139,6 +175,34 @@ def resolve_object(spec: ImportSpec, *, path: str = "spec") -> Any:
         ) from exc
 
 
+def build_object(spec: ImportSpec, *, path: str = "spec") -> Any:
+    """The object a run needs (a model, a dataset) from its spec: a string spec naming a class or a
+    function is called with no arguments, as the mapping form calls its target; any other object is used
+    as it is (an ``nn.Module`` instance is not called).
+
+    Example:
+        >>> build_object("collections:OrderedDict")
+        OrderedDict()
+        >>> build_object("math:pi")
+        3.141592653589793
+    """
+    if not isinstance(spec, str):
+        return resolve_object(spec, path=path)
+    obj = check_import_spec(spec, path)
+    if not (inspect.isclass(obj) or inspect.isroutine(obj)):
+        return obj
+    try:
+        return obj()
+    except Exception as exc:
+        raise ConfigError.single(
+            path,
+            f"{spec!r} names a {'class' if inspect.isclass(obj) else 'function'}, called with no arguments, "
+            f"which raised {type(exc).__name__}: {exc}",
+            f"give its arguments: {path}: {{target: {spec!r}, args: [...], kwargs: {{...}}}}; the original "
+            "traceback is chained below",
+        ) from exc
+
+
 def _split_target(target: str, path: str) -> tuple[str, str]:
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr or ":" in attr:
@@ -161,10 +225,18 @@ def _import_module(module_name: str, target: str, path: str) -> Any:
                 path, f"importing {module_name!r} failed: {exc}", f"install the missing package {missing!r}"
             ) from exc
         hint = suggestion(missing.rpartition(".")[2], _sibling_modules(missing))
+        searched = ""
+        if "." not in missing:
+            places = [f"{what} ({d})" for what, d in _ADDED_DIRS] + [
+                "sys.path (installed packages, PYTHONPATH)"
+            ]
+            searched = f" (searched {', '.join(places)})"
         raise ConfigError.single(
             path,
-            f"{target!r}: no module named {missing!r}",
-            hint or "check the module path and that its package is installed (pip install ...)",
+            f"{target!r}: no module named {missing!r}{searched}",
+            hint
+            or f"put {missing}.py (or the package {missing}/) in one of those directories, install its package, "
+            "or add its directory to PYTHONPATH",
         ) from exc
     except Exception as exc:
         raise ConfigError.single(

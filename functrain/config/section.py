@@ -310,6 +310,13 @@ def _unknown_field(cls: type[ConfigSection], key: str) -> Problem:
             ]
             if close:
                 hint = "did you mean " + " or ".join(repr(cls.field_path(p)) for p in close[:3]) + "?"
+        if not hint and "args" in known:  # a pass-through section: optimizer.args, scheduler.args, loss.args
+            args_path = cls.field_path("args")
+            hint = (
+                f"if it is an argument of the {path.partition('.')[0]}, move it into {args_path} "
+                f"({args_path}: {{{key}: ...}}, or {args_path}.{key}=... on the command line); "
+                f"the fields here are {', '.join(known)}"
+            )
         if not hint:
             hint = f"remove it; the fields here are {', '.join(known)}"
     return Problem(path, "unknown field", f"{hint} (`functrain train --help-config` lists every field)")

@@ -18,8 +18,6 @@ import inspect
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
-import torch
-
 from functrain.config.errors import ConfigError, Problem, suggestion
 from functrain.config.imports import check_import_spec
 from functrain.config.names import OPTIMIZER_NAMES, SCHEDULER_NAMES, metric_mode
@@ -174,6 +172,8 @@ def torch_loss_names() -> tuple[str, ...]:
         >>> "HuberLoss" in torch_loss_names()
         True
     """
+    import torch  # here, not at the top: `functrain --help-config` stays fast
+
     base = torch.nn.modules.loss._Loss
     names = []
     for name in dir(torch.nn):
@@ -218,6 +218,8 @@ class LossConfig(ConfigSection):
                 yield from err.problems
                 return
         else:
+            import torch
+
             loss_class = getattr(torch.nn, self.name, None)
             if self.name not in torch_loss_names():  # also refuses non-loss modules such as Linear
                 yield _name_problem("loss.name", self.name, torch_loss_names(), "torch.nn loss")

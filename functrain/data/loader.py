@@ -53,8 +53,9 @@ class Loader:
       ``index`` batches of a fresh pass (loads and discards them): exact only if each pass repeats.
     - an existing **``torch.utils.data.DataLoader``**, used as it is (give no batching arguments).
       Resume skips ``index`` batches; ``set_epoch`` is called on its sampler when it has one. A
-      :class:`~functrain.data.ResumeWarning` is raised when its order cannot be reproduced (e.g. a
-      ``RandomSampler`` without a generator). ``exact_resume`` tells which case applies.
+      :class:`~functrain.data.ResumeWarning` is raised when a resume (a start past epoch 0, batch 0)
+      cannot reproduce its order (e.g. a ``RandomSampler`` without a generator); a run from the start
+      does not warn. ``exact_resume`` tells which case applies.
 
     Randomness inside ``__getitem__`` (augmentation): worker seeds are derived from ``(key, epoch,
     start_index)``, so runs repeat, but a resumed epoch's workers restart their streams. For
@@ -233,6 +234,8 @@ class Loader:
                 f"Loader.epoch: start_index={start_index} is past the end of an epoch of {bpe} batches; "
                 "was the position saved with another batch size, dataset or world size?"
             )
+        if start_index and isinstance(self._source, DataLoaderSource):
+            self._source.warn_if_inexact(epoch, start_index)
         return self._on_device(self._source.batches(epoch, start_index), lambda batch: self._move(batch))
 
     def iterate(
@@ -262,6 +265,8 @@ class Loader:
         if self.batches_per_epoch is not None:
             position = position.normalized(self.batches_per_epoch)
         epoch, index = position.as_tuple()
+        if isinstance(self._source, DataLoaderSource):
+            self._source.warn_if_inexact(epoch, index)
         host = self._host_positions(epoch, index, num_epochs)
         return self._on_device(host, lambda item: (item[0], self._move(item[1])))
 

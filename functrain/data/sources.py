@@ -157,15 +157,21 @@ class DataLoaderSource:
             self.batches_per_epoch: int | None = len(loader)
         except TypeError:
             self.batches_per_epoch = None
-        self.exact_resume, reason = _resume_exactness(loader)
-        if not self.exact_resume:
-            warnings.warn(
-                f"Loader: resuming this DataLoader mid-epoch may not reproduce the uninterrupted run: "
-                f"{reason}. For exact, arithmetic resume pass the dataset itself: "
-                "functrain.data.Loader(dataset, batch_size, key=...)",
-                ResumeWarning,
-                stacklevel=4,
-            )
+        self.exact_resume, self.inexact_reason = _resume_exactness(loader)
+        self._warned = False
+
+    def warn_if_inexact(self, epoch: int, start_index: int) -> None:
+        """Warn (once) when starting at ``(epoch, start_index)`` — a resume — may not reproduce the run."""
+        if self.exact_resume or self._warned or (epoch, start_index) == (0, 0):
+            return
+        self._warned = True
+        warnings.warn(
+            f"Loader: resuming this DataLoader at epoch {epoch}, batch {start_index} may not reproduce the "
+            f"uninterrupted run: {self.inexact_reason}. For exact, arithmetic resume pass the dataset "
+            "itself: functrain.data.Loader(dataset, batch_size, key=...)",
+            ResumeWarning,
+            stacklevel=4,
+        )
 
     def batches(self, epoch: int, start_index: int) -> Iterator[Any]:
         for owner in _epoch_owners(self.loader):

@@ -10,15 +10,36 @@ Example:
     ...     writer.write(1, {"loss": history.latest("loss")})
 """
 
-from functrain.logging.console import ConsoleWriter
-from functrain.logging.csv_writer import CSVWriter
-from functrain.logging.history import History, to_floats
-from functrain.logging.jsonl import JSONLWriter, read_jsonl
-from functrain.logging.mlflow import MLflowWriter
-from functrain.logging.plot import plot_run
-from functrain.logging.tensorboard import TensorBoardWriter
-from functrain.logging.wandb import WandbWriter
-from functrain.logging.writer import MultiWriter, Writer
+from typing import TYPE_CHECKING
+
+from functrain import _lazy
+
+# imported on first use, so `functrain plot --help` (and `functrain --help`) load no torch
+_lazy.install(
+    __name__,
+    {
+        "ConsoleWriter": "functrain.logging.console",
+        "CSVWriter": "functrain.logging.csv_writer",
+        **dict.fromkeys(("History", "to_floats"), "functrain.logging.history"),
+        **dict.fromkeys(("JSONLWriter", "read_jsonl"), "functrain.logging.jsonl"),
+        **dict.fromkeys(("find_metrics", "plot_run"), "functrain.logging.plot"),
+        "MLflowWriter": "functrain.logging.mlflow",
+        "TensorBoardWriter": "functrain.logging.tensorboard",
+        "WandbWriter": "functrain.logging.wandb",
+        **dict.fromkeys(("MultiWriter", "Writer"), "functrain.logging.writer"),
+    },
+)
+
+if TYPE_CHECKING:
+    from functrain.logging.console import ConsoleWriter
+    from functrain.logging.csv_writer import CSVWriter
+    from functrain.logging.history import History, to_floats
+    from functrain.logging.jsonl import JSONLWriter, read_jsonl
+    from functrain.logging.plot import find_metrics, plot_run
+    from functrain.logging.mlflow import MLflowWriter
+    from functrain.logging.tensorboard import TensorBoardWriter
+    from functrain.logging.wandb import WandbWriter
+    from functrain.logging.writer import MultiWriter, Writer
 
 __all__ = [
     "CSVWriter",
@@ -30,6 +51,7 @@ __all__ = [
     "TensorBoardWriter",
     "WandbWriter",
     "Writer",
+    "find_metrics",
     "plot_run",
     "read_jsonl",
     "to_floats",

@@ -19,15 +19,20 @@ __all__ = ["main", "register"]
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", help="a run directory holding metrics.jsonl")
+    parser.add_argument(
+        "run_dir", help="a run directory (OUTPUT_DIR, whose logs/ holds metrics.jsonl), its logs/ or the file"
+    )
     parser.add_argument("-o", "--output", default=None, help="PNG to write (default: RUN_DIR/metrics.png)")
     parser.add_argument("--names", default=None, help="comma-separated scalar names (default: all)")
 
 
 def _run(args: argparse.Namespace) -> int:
+    import os
+
     from functrain.logging.plot import plot_run
 
-    output = args.output or f"{args.run_dir}/metrics.png"
+    run_dir = os.path.dirname(args.run_dir) if os.path.isfile(args.run_dir) else args.run_dir
+    output = args.output or os.path.join(run_dir, "metrics.png")
     names = [n.strip() for n in args.names.split(",") if n.strip()] if args.names else None
     try:
         path = plot_run(args.run_dir, output, names)

@@ -1,7 +1,9 @@
 """`plot_run`: loss and metric curves of a run, from its ``metrics.jsonl``, to a PNG.
 
 One panel per metric; names that differ only before their last ``/`` (``train/loss`` and
-``eval/loss``) share a panel. matplotlib is imported lazily (the ``plot`` extra) with the Agg backend.
+``eval/loss``) share a panel. ``time/eta_s`` (a countdown, not a curve) is left out unless named.
+matplotlib is imported lazily (the ``plot`` extra) and used without pyplot, so plotting never changes
+a notebook's backend.
 
 Example:
     >>> import tempfile, pathlib
@@ -23,18 +25,46 @@ from pathlib import Path
 
 from functrain.logging.jsonl import read_jsonl
 
-__all__ = ["plot_run"]
+__all__ = ["find_metrics", "plot_run"]
+
+_NOT_CURVES = ("time/eta_s",)
+
+
+def find_metrics(run_dir: str | os.PathLike[str]) -> Path:
+    """The ``metrics.jsonl`` of a run: ``run_dir`` may be the run directory (``runs/x``, whose
+    ``logs/`` holds it), the logs directory, or the file itself.
+
+    Example:
+        >>> find_metrics("runs/x")  # doctest: +SKIP
+        PosixPath('runs/x/logs/metrics.jsonl')
+    """
+    root = Path(run_dir)
+    if root.is_file():
+        return root
+    for candidate in (root / "metrics.jsonl", root / "logs" / "metrics.jsonl"):
+        if candidate.is_file():
+            return candidate
+    found = sorted(root.glob("*/metrics.jsonl")) if root.is_dir() else []
+    if len(found) == 1:
+        return found[0]
+    where = f"; several: {[str(f) for f in found]}, pass one of their directories" if found else ""
+    raise FileNotFoundError(
+        f"no metrics.jsonl in {os.fspath(run_dir)!r} or its logs/ directory{where} "
+        "(it is written by JSONLWriter; the Trainer writes OUTPUT_DIR/logs/metrics.jsonl)"
+    )
 
 
 def plot_run(
     run_dir: str | os.PathLike[str], output_png: str | os.PathLike[str], names: Sequence[str] | None = None
 ) -> Path:
-    """Render the curves in ``run_dir/metrics.jsonl`` (all, or ``names``) to ``output_png``; return its path."""
-    source = Path(run_dir) / "metrics.jsonl"
-    if not source.exists():
-        raise FileNotFoundError(
-            f"plot_run: no metrics.jsonl in {os.fspath(run_dir)!r}; was it written by JSONLWriter?"
-        )
+    """Render a run's curves (all, or ``names``) to ``output_png``; return its path.
+
+    ``run_dir``: the run directory, its logs directory or the ``metrics.jsonl`` (see :func:`find_metrics`).
+    """
+    try:
+        source = find_metrics(run_dir)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"plot_run: {err}") from None
     series: dict[str, list[tuple[int, float]]] = {}
     for record in read_jsonl(source):
         for name, value in record.items():
@@ -49,22 +79,22 @@ def plot_run(
                 f"known: {sorted(series)}"
             )
         series = {n: series[n] for n in names}
+    else:
+        series = {n: v for n, v in series.items() if n not in _NOT_CURVES}
     if not series:
         raise ValueError(f"plot_run: {source} holds no scalars to plot")
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError as err:
-        raise ImportError("plot_run needs matplotlib: pip install 'functrain[plot]'") from err
+        raise ImportError("plot_run needs matplotlib: pip install 'functrain[examples]' (or [plot])") from err
 
     panels: dict[str, list[str]] = {}
     for name in series:
         panels.setdefault(name.rsplit("/", 1)[-1], []).append(name)
     columns = min(3, len(panels))
     rows = math.ceil(len(panels) / columns)
-    figure, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.5 * rows), squeeze=False)
+    figure = Figure(figsize=(5 * columns, 3.5 * rows))
+    axes = figure.subplots(rows, columns, squeeze=False)
     for ax, (title, members) in zip(axes.flat, panels.items()):
         for name in members:
             steps, values = zip(*series[name])
@@ -79,5 +109,4 @@ def plot_run(
     output = Path(output_png)
     output.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(output, dpi=100)
-    plt.close(figure)
     return output

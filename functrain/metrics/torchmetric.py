@@ -48,13 +48,14 @@ from torchmetrics.classification import (
     MultilabelConfusionMatrix,
     MultilabelStatScores,
 )
-from torchmetrics.utilities.data import _squeeze_if_scalar, dim_zero_max, dim_zero_min, dim_zero_sum
 
 from functrain.metrics.base import require_input
 
 __all__ = ["TorchMetric", "from_torchmetrics", "torchmetrics_names"]
 
-_REDUCTION_NAMES = {dim_zero_sum: "sum", dim_zero_max: "max", dim_zero_min: "min"}
+# A metric's per-state reduction (``add_state(dist_reduce_fx=...)``) by the name of torchmetrics' public
+# function; matched by name so that no private torchmetrics helper is imported.
+_REDUCTION_NAMES = {"dim_zero_sum": "sum", "dim_zero_max": "max", "dim_zero_min": "min"}
 _MERGE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
 _MODULES = (torchmetrics, torchmetrics.classification, torchmetrics.regression)
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
@@ -63,6 +64,15 @@ _INPUT_ALIASES = {"targets": "target"}
 # Metrics that threshold scores into 0/1 labels. On CPU torchmetrics decides "logits or probabilities?"
 # with a Python `if` on the data, which breaks the compiled graph; we decide with torch.where first.
 _THRESHOLDED = (BinaryStatScores, MultilabelStatScores, BinaryConfusionMatrix, MultilabelConfusionMatrix)
+
+
+def _squeeze_one_element(result: Any) -> Any:
+    """One-element tensors (also inside a dict) to 0-d, as torchmetrics' ``Metric.compute`` wrapper does."""
+    if isinstance(result, torch.Tensor):
+        return result.squeeze() if result.numel() == 1 else result
+    if isinstance(result, Mapping):
+        return {k: _squeeze_one_element(v) for k, v in result.items()}
+    return result
 
 
 def _update_mean_absolute_error(self: Any, preds: torch.Tensor, target: torch.Tensor) -> None:
@@ -204,7 +214,7 @@ class TorchMetric:
                     f"(a 'cat' state); it cannot live in the fixed-shape state of a compiled step.{hint} "
                     "Otherwise compute it eagerly with torchmetrics on collected predictions."
                 )
-            reduction = _REDUCTION_NAMES.get(template._reductions.get(state_name))  # type: ignore[arg-type]
+            reduction = _REDUCTION_NAMES.get(getattr(template._reductions.get(state_name), "__name__", ""))
             if reduction is None:
                 raise ValueError(
                     f"torchmetrics {name} reduces state {state_name!r} with "
@@ -215,7 +225,7 @@ class TorchMetric:
         self._shim = _shim_class(template)
         # torchmetrics' `_XLA_AVAILABLE` is a lazy package check (importlib.metadata) evaluated on first
         # use; inside a compiled step dynamo cannot trace it, so resolve it now, eagerly.
-        bool(torchmetrics.utilities.data._XLA_AVAILABLE)
+        bool(getattr(torchmetrics.utilities.data, "_XLA_AVAILABLE", False))
         self._thresholded = isinstance(template, _THRESHOLDED)
         update_params = list(inspect.signature(type(template).update).parameters.values())[1:]
         self._inputs = tuple(
@@ -266,7 +276,7 @@ class TorchMetric:
             setattr(metric, state_name, value)
         # The class's own compute, not the instance wrapper (which caches and warns about update counts).
         # ... then the wrapper's one-element squeeze, so shapes match what torchmetrics returns.
-        result = _squeeze_if_scalar(type(metric).compute(metric))
+        result = _squeeze_one_element(type(metric).compute(metric))
         if isinstance(result, (tuple, list)):
             raise ValueError(
                 f"torchmetrics {self.name} computes a {type(result).__name__}, not a tensor or a dict; "
