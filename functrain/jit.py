@@ -368,6 +368,8 @@ def _keeping_layouts(fn: Callable[..., Any]) -> Callable[..., Any]:
         if len(old_leaves) != len(new_leaves):
             return out
         kept = [_like_layout(new, old) for old, new in zip(old_leaves, new_leaves)]
+        if all(k is n for k, n in zip(kept, new_leaves)):
+            return out
         return (torch_pytree.tree_unflatten(kept, spec), *out[1:])
 
     return layout_keeping_step
@@ -375,13 +377,14 @@ def _keeping_layouts(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _like_layout(new: Any, old: Any) -> Any:
     """``new``, copied into ``old``'s strides when they differ (dense layouts only)."""
-    if not (
-        isinstance(old, torch.Tensor)
-        and isinstance(new, torch.Tensor)
-        and old.shape == new.shape
-        and old.dtype == new.dtype
-        and old.device == new.device
-        and new.stride() != old.stride()
+    if (
+        not isinstance(new, torch.Tensor)
+        or not isinstance(old, torch.Tensor)
+        or new is old
+        or new.stride() == old.stride()
+        or new.shape != old.shape
+        or new.dtype != old.dtype
+        or new.device != old.device
     ):
         return new
     out = torch.empty_like(old)  # preserve_format: old's exact strides when old is dense
