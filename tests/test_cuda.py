@@ -61,7 +61,7 @@ def test_compiled_step_with_a_schedule_compiles_once(device):
     assert compiled.num_compiles == 1, compiled.compile_reasons
     assert c_state.params["0.weight"].device.type == device
     torch.testing.assert_close(cm["loss"], em["loss"], rtol=1e-4, atol=1e-5)
-    close(c_state.params, e_state.params, rtol=1e-3, atol=1e-5)
+    close(c_state.params, e_state.params, rtol=1e-3, atol=1e-4)
 
 
 @on_devices
@@ -116,11 +116,10 @@ def test_donating_step_reuses_the_state_and_equals_the_pure_step(device):
     donating = ft.jit(step_fn, donate=True, compile=compiles(device))
     batch = on(device, classification_batch(32))
     expected, _ = ft.jit(step_fn, compile=False)(state, batch)
-    given = state.to(device)  # a copy to donate (TrainState.to copies only across devices)
-    given = given.replace(params={k: v.clone() for k, v in given.params.items()})
-    pointer = given.params["0.weight"].data_ptr()
+    given = ft.tree.map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state)
+    weight = given.params["0.weight"]
     out, _ = donating(given, batch)
-    assert out.params["0.weight"].data_ptr() == pointer  # written in place
+    assert out.params["0.weight"] is weight  # written in place
     close(out.params, expected.params, rtol=1e-4, atol=1e-6)
     with pytest.raises(ft.DonatedStateError):
         donating(given, batch)
