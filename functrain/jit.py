@@ -349,13 +349,14 @@ def _keeping_layouts(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap a pure step so each tensor of the new state has the strides of the one it replaces.
 
     A compiled graph's outputs get the strides its fake-tensor trace predicted, which need not be the
-    inputs' (torch <= 2.11's meta kernel of the convolution backward predicts contiguous weight gradients on
-    CUDA even for channels_last weights, and Adam's moments follow the gradients). A state whose layout
-    changes after one step recompiles the step and runs its convolutions on converted copies: the pure
-    ResNet-50 step took twice the donating one's time on an H100 (issue 10). The donating step never had
-    the problem: it copies into the input's tensors. Here the same copy goes into a fresh tensor of the
-    input's layout, only where the strides differ (decided while tracing: no cost where they match);
-    inductor fuses it into the kernel that computes the value.
+    inputs' nor eager's: before pytorch/pytorch#171622 the convolution backward's meta kernel predicted
+    contiguous weight gradients where CUDA returns channels_last ones, and what is computed from the
+    gradients (the optimizer's moments, through decomposed pointwise ops) can follow that layout. A state
+    whose layout changes after a step recompiles the step and feeds its convolutions converted copies;
+    issue 10 measured the pure ResNet-50 step at twice the donating one's time on an H100. The donating
+    step cannot drift: it copies into the input's tensors. Here the same copy goes into a fresh tensor of
+    the input's layout, only where the strides differ (decided while tracing: nothing is added where they
+    match); inductor fuses it into the kernel that computes the value.
     """
 
     @functools.wraps(fn)
