@@ -92,6 +92,15 @@ def _cnn_batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(128, 1, 28, 28, generator=g), torch.randint(0, 10, (128,), generator=g)
 
 
+def _channels_last_cnn() -> nn.Module:
+    return CNN().to(memory_format=torch.channels_last)
+
+
+def _cnn_channels_last_batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = _cnn_batch(g)
+    return x.to(memory_format=torch.channels_last), y
+
+
 def _transformer_batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, 1000, (32, 64), generator=g), torch.randint(0, 1000, (32 * 64,), generator=g)
 
@@ -101,6 +110,13 @@ WORKLOADS: dict[str, Workload] = {
     for w in (
         Workload("mlp", "MLP 512-512-512-10, batch 256", MLP, _mlp_batch),
         Workload("cnn", "CNN (2 conv+BatchNorm, dropout), 1x28x28, batch 128", CNN, _cnn_batch),
+        # Layouts: a pure step must return channels_last weights and moments as channels_last (issue 10).
+        Workload(
+            "cnn-cl",
+            "the CNN with channels_last weights and images",
+            _channels_last_cnn,
+            _cnn_channels_last_batch,
+        ),
         Workload(
             "transformer",
             "2-layer transformer, d_model 128, seq 64, dropout 0.1, batch 32",

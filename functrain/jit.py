@@ -200,7 +200,7 @@ class CompiledStep:
         self._donated: weakref.WeakSet[Any] = weakref.WeakSet()
         self._warned = False
         functools.update_wrapper(self, fn)
-        target = _donating(fn) if donate else fn
+        target = _donating(fn) if donate else _keeping_layouts(fn)
         self._eager = target
         if compile:
             config = dict(torch._inductor.list_mode_options(mode)) if mode else {}
@@ -345,6 +345,53 @@ def _donating(fn: Callable[..., Any]) -> Callable[..., Any]:
     return donating_step
 
 
+def _keeping_layouts(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a pure step so each tensor of the new state has the strides of the one it replaces.
+
+    A compiled graph's outputs get the strides its fake-tensor trace predicted, which need not be the
+    inputs' nor eager's: before pytorch/pytorch#171622 the convolution backward's meta kernel predicted
+    contiguous weight gradients where CUDA returns channels_last ones, and what is computed from the
+    gradients (the optimizer's moments, through decomposed pointwise ops) can follow that layout. A state
+    whose layout changes after a step recompiles the step and feeds its convolutions converted copies;
+    issue 10 measured the pure ResNet-50 step at twice the donating one's time on an H100. The donating
+    step cannot drift: it copies into the input's tensors. Here the same copy goes into a fresh tensor of
+    the input's layout, only where the strides differ (decided while tracing: nothing is added where they
+    match); inductor fuses it into the kernel that computes the value.
+    """
+
+    @functools.wraps(fn)
+    def layout_keeping_step(state: Any, *args: Any, **kwargs: Any) -> Any:
+        out = fn(state, *args, **kwargs)
+        if not (isinstance(out, tuple) and out and type(out[0]) is type(state)):
+            return out  # an eval or predict step: no new state
+        old_leaves = torch_pytree.tree_leaves(state)
+        new_leaves, spec = torch_pytree.tree_flatten(out[0])
+        if len(old_leaves) != len(new_leaves):
+            return out
+        kept = [_like_layout(new, old) for old, new in zip(old_leaves, new_leaves)]
+        if all(k is n for k, n in zip(kept, new_leaves)):
+            return out
+        return (torch_pytree.tree_unflatten(kept, spec), *out[1:])
+
+    return layout_keeping_step
+
+
+def _like_layout(new: Any, old: Any) -> Any:
+    """``new``, copied into ``old``'s strides when they differ (dense layouts only)."""
+    if (
+        not isinstance(new, torch.Tensor)
+        or not isinstance(old, torch.Tensor)
+        or new is old
+        or new.stride() == old.stride()
+        or new.shape != old.shape
+        or new.dtype != old.dtype
+        or new.device != old.device
+    ):
+        return new
+    out = torch.empty_like(old)  # preserve_format: old's exact strides when old is dense
+    return out.copy_(new) if out.stride() == old.stride() else new
+
+
 def jit(
     fn: Callable[..., Any] | None = None,
     *,
@@ -370,6 +417,9 @@ def jit(
         donate: write the new state into the incoming state's tensors, as JAX's ``donate_argnums``:
             about half the peak memory of a pure step. The incoming state must not be used again; passing
             it again raises :class:`DonatedStateError`.
+            A pure step (the default) returns new tensors with the strides of the ones they replace
+            (channels_last weights and their optimizer moments stay channels_last), copying only where
+            the computed layout differs.
         fullgraph: require one graph (default); a graph break raises :class:`GraphBreakError`.
         dynamic: passed to ``torch.compile`` (``False``: specialise on shapes, the fastest kernels).
         mode, options: inductor mode (``"max-autotune"``, ...) and config options. On the CPU, jit

@@ -87,23 +87,42 @@ class FitResult:
 # ------------------------------------------------------------------------------------------ helpers
 
 
+def _batch_device(state: Any) -> torch.device | None:
+    """Where the step wants its batches: the state's accelerator, or ``None`` (leave them as they are)."""
+    device = getattr(state, "device", None)
+    return device if isinstance(device, torch.device) and device.type != "cpu" else None
+
+
 def _as_loader(
-    data: Any, batch_size: int | None, key: torch.Tensor, what: str, *, shuffle: bool, shard: bool = False
+    data: Any,
+    batch_size: int | None,
+    key: torch.Tensor,
+    what: str,
+    *,
+    shuffle: bool,
+    shard: bool = False,
+    device: torch.device | None = None,
 ) -> Loader:
+    """A Loader over ``data`` whose batches arrive on ``device`` (a Loader with a device of its own keeps it).
+
+    On CUDA the host batches are pinned and copied without blocking, ahead of the step, by the Loader's
+    prefetch thread.
+    """
     if isinstance(data, Loader):
-        return data
+        return data.to(device) if device is not None and data.device is None else data
     if batch_size is None and not isinstance(data, torch.utils.data.DataLoader):
         raise ValueError(
             f"{what}: give a functrain.data.Loader, a torch DataLoader, or a dataset together with "
             "batch_size=..."
         )
     if isinstance(data, torch.utils.data.DataLoader):
-        return Loader(data)
+        return Loader(data, device=device)
+    pin = device is not None and device.type == "cuda"
     if isinstance(data, torch.utils.data.IterableDataset):
-        return Loader(data, batch_size)
+        return Loader(data, batch_size, pin_memory=pin, device=device)
     # Data parallelism: each rank reads its slice of the same per-epoch permutation; batch_size is per rank.
     ranks = {"rank": distributed.rank(), "world_size": distributed.world_size()} if shard else {}
-    return Loader(data, batch_size, key=key, shuffle=shuffle, **ranks)
+    return Loader(data, batch_size, key=key, shuffle=shuffle, pin_memory=pin, device=device, **ranks)
 
 
 def _scalar_dict(values: Mapping[str, Any]) -> dict[str, float]:
@@ -183,7 +202,9 @@ def evaluate(
         >>> sorted(metrics)
         ['eval/loss']
     """
-    loader = _as_loader(data, batch_size, random.key(0), "evaluate", shuffle=False, shard=True)
+    loader = _as_loader(
+        data, batch_size, random.key(0), "evaluate", shuffle=False, shard=True, device=_batch_device(state)
+    )
     events = _Events(callbacks)
     ctx = ctx or Context()
     ctx.phase = "eval"
@@ -238,7 +259,9 @@ def predict(
     Example:
         >>> outputs = ft.predict(state, ft.make_predict_step(model), inputs, batch_size=32, collect=True)
     """
-    loader = _as_loader(data, batch_size, random.key(0), "predict", shuffle=False)
+    loader = _as_loader(
+        data, batch_size, random.key(0), "predict", shuffle=False, device=_batch_device(state)
+    )
 
     def stream() -> Iterator[Any]:
         for batch in loader.epoch(0):
@@ -295,7 +318,9 @@ def fit(
         state: the initial train state (ignored in favour of the checkpoint when resuming).
         train_step: ``(state, batch) -> (state, metrics)``, usually ``jit(make_train_step(...))``.
         train_data: a :class:`functrain.data.Loader`, a torch ``DataLoader``, or a dataset with
-            ``batch_size`` (shuffled per epoch with a key derived from ``state.rng``).
+            ``batch_size`` (shuffled per epoch with a key derived from ``state.rng``). Batches are moved
+            to the state's device (on CUDA: pinned, copied ahead of the step); a ``Loader`` given its own
+            ``device`` keeps it.
         eval_step, eval_data, eval_batch_size: evaluation (``make_eval_step``) and its data.
         epochs, max_steps: the run's length, counted from step 0 (at least one; the run ends at
             whichever comes first). They count the *whole* run, not more of it, so the same call resumes
@@ -357,7 +382,13 @@ def fit(
     save_steps_every, save_at_epoch = _resolve_every(save_every, "save_every")
 
     loader = _as_loader(
-        train_data, batch_size, random.fold_in(state.rng, _DATA_KEY), "fit", shuffle=True, shard=True
+        train_data,
+        batch_size,
+        random.fold_in(state.rng, _DATA_KEY),
+        "fit",
+        shuffle=True,
+        shard=True,
+        device=_batch_device(state),
     )
     if distributed.is_distributed() and getattr(train_step, "kind", None) == "train":
         reducer = getattr(train_step, "gradient_reducer", None)

@@ -179,8 +179,9 @@ class TrainState:
             buffers=buffers,
             opt_state=tx.init(params),
             rng=random.key(seed),
-            loss_scale=loss_scale,
-            metrics=metrics,
+            # on the params' device, as ``to`` puts them: a CPU loss scale would mix devices in the step
+            loss_scale=_to(loss_scale, device, None),
+            metrics=_to(metrics, device, None),
             tx=tx,
             tied=tied,
             non_persistent=non_persistent,

@@ -115,3 +115,14 @@ def test_apply_gradients_matches_manual_sgd():
     for k in state.params:
         torch.testing.assert_close(new.params[k], state.params[k] - 0.5)
     assert int(new.step) == 1
+
+
+def test_create_on_a_device_puts_the_loss_scale_and_metric_states_there_too():
+    metrics = ft.metrics.Collection({"accuracy": ft.metrics.Accuracy()})
+    state = ft.TrainState.create(
+        mlp(), ft.optim.sgd(0.1), device="meta", loss_scale=ft.precision.LossScale.create(),
+        metrics=metrics.empty("cpu"),
+    )  # fmt: skip
+    moved = [state.loss_scale, state.metrics]
+    assert {x.device.type for x in tree.leaves(moved) if isinstance(x, torch.Tensor)} == {"meta"}
+    assert state.step.device.type == "cpu" and state.rng.device.type == "cpu"

@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -213,6 +214,17 @@ class Loader:
         if not isinstance(self._source, MapSource):
             raise TypeError("Loader.batch_indices: only a map-style dataset has batches known by index")
         return self._source.batch_indices(epoch)
+
+    def to(self, device: str | torch.device | None) -> Loader:
+        """This loader with its batches moved to ``device``: a shallow copy sharing the data and its order.
+
+        Example:
+            >>> Loader(list(range(4)), 2, shuffle=False).to("cpu").device
+            device(type='cpu')
+        """
+        moved = copy.copy(self)
+        moved.device = torch.device(device) if device is not None else None
+        return moved
 
     # ------------------------------------------------------------------------------------------ batches
 
