@@ -12,7 +12,7 @@ Example:
     >>> state, metrics = train_step(state, (torch.randn(16, 8), torch.randint(0, 3, (16,))))
 """
 
-from functrain import callbacks, checkpoint, data, logging, metrics, optim, precision, random, tree
+from functrain import callbacks, checkpoint, data, ensemble, logging, metrics, optim, precision, random, tree
 from functrain.config import ConfigError, TrainerConfig
 from functrain.jit import CompiledStep, DonatedStateError, GraphBreakError, RecompileError, jit
 from functrain.loop import FitResult, evaluate, fit, predict
@@ -44,6 +44,7 @@ __all__ = [
     "callbacks",
     "checkpoint",
     "data",
+    "ensemble",
     "evaluate",
     "fit",
     "jit",
