@@ -305,3 +305,25 @@ def test_compiled_ensemble_is_one_graph_and_matches_eager():
         b, _ = eager(b, batch)
     assert compiled.num_compiles == 1
     assert _max_diff(a, b) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "functrain.ensemble",
+        "functrain.ensemble.stacked",
+        "functrain.ensemble.steps",
+        "functrain.logging.members",
+        "functrain._foreach",
+    ],
+)
+def test_docstring_examples(name):
+    import doctest
+    import importlib
+
+    model = torch.nn.Linear(4, 3)
+    globs = {"ft": ft, "torch": torch, "model": model, "loss": LOSS}
+    result = doctest.testmod(
+        importlib.import_module(name), extraglobs=globs, optionflags=doctest.NORMALIZE_WHITESPACE
+    )
+    assert result.attempted > 0 and result.failed == 0

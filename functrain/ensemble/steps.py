@@ -192,6 +192,9 @@ def predict_step(
     batches) and their mean over members (``[batch, ...]``, the ensemble's prediction).
 
     Example:
+        >>> model = torch.nn.Linear(4, 3)
+        >>> state = ft.ensemble.create(model, ft.optim.sgd(0.1), n=4)
+        >>> ens_predict = predict_step(ft.make_predict_step(model))
         >>> out = ens_predict(state, torch.randn(5, 4))
         >>> out["members"].shape, out["mean"].shape
         (torch.Size([5, 4, 3]), torch.Size([5, 3]))

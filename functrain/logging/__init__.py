@@ -14,6 +14,7 @@ from functrain.logging.console import ConsoleWriter
 from functrain.logging.csv_writer import CSVWriter
 from functrain.logging.history import History, to_floats
 from functrain.logging.jsonl import JSONLWriter, read_jsonl
+from functrain.logging.members import expand_members
 from functrain.logging.plot import plot_run
 from functrain.logging.tensorboard import TensorBoardWriter
 from functrain.logging.writer import MultiWriter, Writer
@@ -26,6 +27,7 @@ __all__ = [
     "MultiWriter",
     "TensorBoardWriter",
     "Writer",
+    "expand_members",
     "plot_run",
     "read_jsonl",
     "to_floats",
