@@ -166,3 +166,18 @@ def test_cli_refuses_a_sweep_of_a_field_outside_the_state(tmp_path, capsys, monk
     assert cli(["train", str(path), "--sweep", "batch_size=16,32"]) == 2
     err = capsys.readouterr().err
     assert "sweep.batch_size" in err and "cannot be swept" in err
+
+
+@pytest.mark.slow
+def test_sweep_notebook_executes_headless(tmp_path, monkeypatch):
+    """examples/05_sweep.ipynb, small and eager (FUNCTRAIN_SMALL=1), as tests/test_examples.py runs the other."""
+    nbformat = pytest.importorskip("nbformat")
+    from nbclient import NotebookClient
+
+    monkeypatch.setenv("FUNCTRAIN_SMALL", "1")
+    monkeypatch.setenv("FUNCTRAIN_PLOT", str(tmp_path / "curves.png"))
+    nb = nbformat.read(HERE.parent / "examples" / "05_sweep.ipynb", as_version=4)
+    NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
+    assert (tmp_path / "curves.png").stat().st_size > 1000  # execute() raised on any error cell
