@@ -44,6 +44,18 @@ import functrain as ft
 LOSS = ft.supervised_loss(F.cross_entropy)
 
 
+def _tiny_batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(64, 64, generator=g), torch.randint(0, 10, (64,), generator=g)
+
+
+# Besides the steps benchmark's workloads: a model small enough that a step's fixed cost (the Python call,
+# guards, kernel launches) is a large part of it, the case an ensemble step amortises.
+WORKLOADS = {
+    **common.WORKLOADS,
+    "mlp-tiny": common.Workload("mlp-tiny", "MLP 64-64-10, batch 64", lambda: common.MLP(64, 2), _tiny_batch),
+}
+
+
 def _tx() -> ft.optim.GradientTransformation:
     return ft.optim.adamw(common.LR, weight_decay=common.WEIGHT_DECAY)
 
@@ -146,7 +158,7 @@ def table(workload: common.Workload, rows: list[dict]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workloads", nargs="+", default=["mlp", "cnn"])
+    p.add_argument("--workloads", nargs="+", default=["mlp", "cnn", "mlp-tiny"])
     p.add_argument("--members", nargs="+", type=int, default=[1, 4, 8, 16])
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--steps", type=int, default=5, help="rounds per timed repeat")
@@ -158,7 +170,7 @@ def main() -> None:
     load_start = common.load_average()
     sections = []
     for name in args.workloads:
-        workload = common.WORKLOADS[name]
+        workload = WORKLOADS[name]
         rows: list[dict] = []
         sequential_step = None
         for n in args.members:

@@ -341,6 +341,15 @@ def fit(
                 "gradient_reducer=functrain.distributed.gradient_reducer(model=model)), created after "
                 "functrain.distributed.initialize()"
             )
+    if (
+        is_ensemble(state)
+        and getattr(train_step, "kind", None) == "train"
+        and not getattr(train_step, "ensemble", False)
+    ):
+        raise ValueError(
+            f"fit: the state is an ensemble of {size(state)} members, but the train step runs one model; "
+            "wrap it: ft.jit(ft.ensemble.step(train_step)) (and ft.ensemble.eval_step for evaluation)"
+        )
     bpe = loader.batches_per_epoch
     if epochs is not None and bpe is None:
         raise ValueError(

@@ -229,6 +229,8 @@ def test_donation_gives_the_pure_result_and_metric_states_are_per_member():
         a, _ = pure(a, batch)
         b, _ = donating(b, batch)
     assert _equal(a, b)
+    with pytest.raises(ValueError, match="member count is not known yet"):
+        pure.metrics.empty()
     per_member = pure.metrics.compute(a.metrics)["accuracy"]
     assert per_member.shape == (3,)
     single = ft.jit(train_step, compile=False)
@@ -305,6 +307,13 @@ def test_compiled_ensemble_is_one_graph_and_matches_eager():
         b, _ = eager(b, batch)
     assert compiled.num_compiles == 1
     assert _max_diff(a, b) < 1e-5
+    # an eval step with per-member metric states: one graph too (nothing it reads changes between calls)
+    collection = ft.metrics.Collection({"accuracy": ft.metrics.Accuracy()})
+    ens_eval = ft.jit(ft.ensemble.eval_step(ft.make_eval_step(model, LOSS, metrics=collection)))
+    data = torch.utils.data.TensorDataset(*classification_batch(32, seed=9))
+    results = [ft.evaluate(a, ens_eval, data, batch_size=16) for _ in range(2)]
+    assert ens_eval.num_compiles == 1 and results[0] == results[1]
+    assert "eval/accuracy/member_3" in results[0]
 
 
 @pytest.mark.parametrize(

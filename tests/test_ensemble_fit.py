@@ -155,3 +155,14 @@ def test_resume_is_bit_identical(tmp_path, stop_at):
     assert (tmp_path / "ref" / "metrics.jsonl").read_text() == (
         tmp_path / "run" / "metrics.jsonl"
     ).read_text()
+
+
+def test_fit_refuses_an_ensemble_state_with_a_single_model_step():
+    model, _, state, _, _ = _setup()
+    plain = ft.jit(ft.make_train_step(model, LOSS), compile=False)
+    with pytest.raises(ValueError, match=r"ensemble of 3 members.*ft.ensemble.step"):
+        ft.fit(state, plain, _data(), batch_size=16, epochs=1, progress=False)
+    ens_step = ft.jit(ft.ensemble.step(ft.make_train_step(model, LOSS)), compile=False)
+    single = ft.TrainState.create(model, ft.optim.sgd(0.1))
+    with pytest.raises(ValueError, match="not an ensemble state"):
+        ft.fit(single, ens_step, _data(), batch_size=16, epochs=1, progress=False)

@@ -81,7 +81,9 @@ class MemberMetrics:
     """A metric collection over stacked metric states (one per member): ``empty`` stacks ``n`` empty
     states, ``merge`` and ``compute`` run member by member (host code, not the hot path) and stack.
 
-    ``n`` is learned from the first stacked state a step sees (or given).
+    ``n`` is given, or learned from the first stacked state ``merge``/``compute`` see (``fit`` computes
+    the training metrics before it resets them with ``empty``). Not learned inside the step: a compiled
+    step would guard on the attribute and compile again once it changed.
     """
 
     def __init__(self, inner: Any, n: int | None = None) -> None:
@@ -91,7 +93,8 @@ class MemberMetrics:
     def _require_n(self) -> int:
         if self.n is None:
             raise ValueError(
-                "ensemble metrics: the member count is not known yet; run the ensemble step once first"
+                "ensemble metrics: the member count is not known yet; compute or merge a stacked metric "
+                "state first, or set .n"
             )
         return self.n
 
@@ -101,6 +104,7 @@ class MemberMetrics:
 
     def _per_member(self, fn: Callable[..., Any], *states: Any) -> Any:
         n = int(tree.leaves(states[0])[0].shape[0])
+        self.n = n
         outs = [fn(*(tree.map(lambda x, i=i: x[i], s) for s in states)) for i in range(n)]
         return tree.map(lambda *xs: torch.stack([torch.as_tensor(x) for x in xs]), *outs)
 
@@ -121,12 +125,6 @@ def _carry(target: Callable[..., Any], source: Callable[..., Any], kind: str) ->
     target.metrics = MemberMetrics(metrics) if metrics is not None else None  # type: ignore[attr-defined]
     target.ensemble = True  # type: ignore[attr-defined]
     return target
-
-
-def _learn_size(fn: Any, state: Any) -> None:
-    n = size(state)
-    if fn.metrics is not None and fn.metrics.n is None:
-        fn.metrics.n = n
 
 
 def step(
@@ -159,7 +157,7 @@ def step(
     mapped = vmap_members(train_step, batch_axis=batch_axis)
 
     def ensemble_train_step(state: Any, batch: Any) -> tuple[Any, dict[str, torch.Tensor]]:
-        _learn_size(ensemble_train_step, state)
+        size(state)  # a clear error for a single model's state
         return mapped(state, batch)
 
     ensemble_train_step.gradient_reducer = None  # type: ignore[attr-defined]
@@ -178,7 +176,7 @@ def eval_step(
     mapped = vmap_members(eval_fn, batch_axis=batch_axis)
 
     def ensemble_eval_step(state: Any, batch: Any) -> dict[str, Any]:
-        _learn_size(ensemble_eval_step, state)
+        size(state)
         return mapped(state, batch)
 
     return _carry(ensemble_eval_step, eval_fn, "eval")
@@ -202,6 +200,7 @@ def predict_step(
     mapped = vmap_members(predict_fn, batch_axis=batch_axis)
 
     def ensemble_predict_step(state: Any, batch: Any) -> dict[str, Any]:
+        size(state)
         out = mapped(state, batch)
         return {
             "members": torch_pytree.tree_map(lambda x: x.movedim(0, 1) if x.ndim > 1 else x, out),
