@@ -1,7 +1,8 @@
 """Ensembles: N members trained by one vmapped compiled step against N sequential single-model steps.
 
-For each workload (the steps benchmark's MLP and CNN) and each member count N, two variants train N
-models on the same batch (AdamW lr 1e-3, wd 0.01), so both process N x batch examples per round:
+For each workload (the steps benchmark's MLP and CNN, and a tiny MLP) and each member count N, two
+variants train N models on the same batch (AdamW lr 1e-3, wd 0.01), so both process N x batch examples
+per round (``--donate``: both variants donate their input state):
 
     vmap        one ``functrain.jit(functrain.ensemble.step(train_step))`` call on a stacked state of N
                 members (one compiled graph for all of them)
@@ -16,7 +17,7 @@ the RSS); both variants hold N members' states, the peak is what the step adds o
 
 Usage:
     python benchmarks/ensemble.py                              # writes benchmarks/results/ensemble.md
-    python benchmarks/ensemble.py --workloads mlp --members 1 8 --repeats 10
+    python benchmarks/ensemble.py --workloads mlp --members 1 8 --repeats 10 --donate
 """
 
 from __future__ import annotations
@@ -60,11 +61,13 @@ def _tx() -> ft.optim.GradientTransformation:
     return ft.optim.adamw(common.LR, weight_decay=common.WEIGHT_DECAY)
 
 
-def make_vmap(workload: common.Workload, n: int) -> tuple[Callable[[], None], ft.CompiledStep, ft.TrainState]:
+def make_vmap(
+    workload: common.Workload, n: int, donate: bool = False
+) -> tuple[Callable[[], None], ft.CompiledStep, ft.TrainState]:
     model = common.build_model(workload)
     batch = common.build_batch(workload)
     state = ft.ensemble.create(model, _tx(), n=n)
-    step = ft.jit(ft.ensemble.step(ft.make_train_step(model, LOSS)))
+    step = ft.jit(ft.ensemble.step(ft.make_train_step(model, LOSS)), donate=donate)
     box = [state]
 
     def run() -> None:
@@ -74,12 +77,12 @@ def make_vmap(workload: common.Workload, n: int) -> tuple[Callable[[], None], ft
 
 
 def make_sequential(
-    workload: common.Workload, n: int, step: ft.CompiledStep | None = None
+    workload: common.Workload, n: int, step: ft.CompiledStep | None = None, donate: bool = False
 ) -> tuple[Callable[[], None], ft.CompiledStep, list[ft.TrainState]]:
     model = common.build_model(workload)
     batch = common.build_batch(workload)
     states = [ft.TrainState.create(ft.ensemble.initialise(model, i), _tx(), seed=i) for i in range(n)]
-    step = step or ft.jit(ft.make_train_step(model, LOSS))
+    step = step or ft.jit(ft.make_train_step(model, LOSS), donate=donate)
 
     def run() -> None:
         for i in range(n):
@@ -99,10 +102,15 @@ def transient_peak_mb(fn: Callable[[], None], steps: int) -> float:
 
 
 def measure(
-    workload: common.Workload, n: int, repeats: int, steps: int, sequential_step: ft.CompiledStep | None
+    workload: common.Workload,
+    n: int,
+    repeats: int,
+    steps: int,
+    sequential_step: ft.CompiledStep | None,
+    donate: bool = False,
 ) -> dict:
-    vmap_fn, vmap_step, state = make_vmap(workload, n)
-    seq_fn, seq_step, _ = make_sequential(workload, n, sequential_step)
+    vmap_fn, vmap_step, state = make_vmap(workload, n, donate)
+    seq_fn, seq_step, _ = make_sequential(workload, n, sequential_step, donate)
     t0 = time.perf_counter()
     for _ in range(2):
         vmap_fn()
@@ -163,6 +171,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--steps", type=int, default=5, help="rounds per timed repeat")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: the shared 2-core machine)")
+    p.add_argument("--donate", action="store_true", help="both variants donate (jit(..., donate=True))")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "ensemble.md"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -178,7 +187,7 @@ def main() -> None:
                 f"{name} N={n}: {args.repeats} x {args.steps} rounds (load {common.load_average()})",
                 flush=True,
             )
-            row = measure(workload, n, args.repeats, args.steps, sequential_step)
+            row = measure(workload, n, args.repeats, args.steps, sequential_step, args.donate)
             sequential_step = row["seq_step"]  # one compiled single-model step serves every N
             rows.append(row)
             print(table(workload, rows[-1:]).splitlines()[-1], flush=True)

@@ -1,6 +1,11 @@
 """Ensembles and sweeps: N models trained in one compiled step by vmapping the pure step over a stacked
 train state.
 
+- :mod:`~functrain.ensemble.stacked`: ``create``, ``member``/``members``, ``stack``, ``initialise``;
+- :mod:`~functrain.ensemble.steps`: ``step``, ``eval_step``, ``predict_step`` (vmapped over the members);
+- :mod:`~functrain.ensemble.sweep`: grids of hyperparameters as one ensemble, their results and plots
+  (what ``TrainerConfig(sweep=...)`` uses).
+
 Example:
     >>> import torch, functrain as ft
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
@@ -15,6 +20,7 @@ Example:
     torch.Size([16, 4])
 """
 
+from functrain.ensemble import sweep
 from functrain.ensemble.stacked import create, initialise, is_ensemble, member, members, run_key, size, stack
 from functrain.ensemble.steps import MemberMetrics, eval_step, predict_step, step, vmap_members
 
@@ -31,5 +37,6 @@ __all__ = [
     "size",
     "stack",
     "step",
+    "sweep",
     "vmap_members",
 ]
