@@ -53,7 +53,11 @@ def test_fit_records_every_members_scalars_and_evaluates_each_member(tmp_path):
         eval_step=eval_step,
         eval_data=data,
         log_every=3,
-        loggers=[ft.logging.JSONLWriter(tmp_path), ft.logging.CSVWriter(tmp_path)],
+        loggers=[
+            ft.logging.JSONLWriter(tmp_path),
+            ft.logging.CSVWriter(tmp_path),
+            ft.logging.TensorBoardWriter(tmp_path / "tb"),
+        ],
         callbacks=[ft.callbacks.LearningRateMonitor()],
         progress=False,
     )
@@ -80,6 +84,14 @@ def test_fit_records_every_members_scalars_and_evaluates_each_member(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert any("eval/accuracy/member_1" in row for row in rows)
     assert "train/loss/member_0" in (tmp_path / "metrics.csv").read_text().splitlines()[0]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"eval/loss/member_2", "eval/accuracy/best", "train/loss/member_1", "train/loss"} <= tags
+    last = events.Scalars("eval/accuracy/member_1")[-1].value
+    assert last == pytest.approx(ev["eval/accuracy/member_1"])
 
 
 def test_monitors_follow_a_member_or_the_best_and_one_checkpoint_holds_all(tmp_path):
