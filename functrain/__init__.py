@@ -28,6 +28,7 @@ _SUBMODULES = (
     "callbacks",
     "checkpoint",
     "data",
+    "ensemble",
     "logging",
     "metrics",
     "optim",
@@ -71,6 +72,7 @@ __all__ = [
     "callbacks",
     "checkpoint",
     "data",
+    "ensemble",
     "evaluate",
     "fit",
     "jit",
@@ -92,7 +94,19 @@ __all__ = [
 _lazy.install(__name__, _LAZY, _SUBMODULES)
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
-    from functrain import averaging, callbacks, checkpoint, data, logging, metrics, optim, precision, random, tree
+    from functrain import (
+        averaging,
+        callbacks,
+        checkpoint,
+        data,
+        ensemble,
+        logging,
+        metrics,
+        optim,
+        precision,
+        random,
+        tree,
+    )
     from functrain.config import ConfigError, TrainerConfig
     from functrain.jit import CompiledStep, DonatedStateError, GraphBreakError, RecompileError, jit
     from functrain.loop import FitResult, RunFinishedWarning, evaluate, fit, predict

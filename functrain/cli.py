@@ -99,7 +99,7 @@ def _train(args: argparse.Namespace) -> int:
     from functrain import distributed
 
     with distributed.initialize():  # torchrun: one process per device; plain python: a no-op
-        trainer = _build_trainer(args.config, args.overrides)
+        trainer = _build_trainer(args.config, [*args.overrides, *(f"sweep.{s}" for s in args.sweep)])
         result = trainer.train(
             additional_epochs=args.additional_epochs, additional_steps=args.additional_steps
         )
@@ -109,7 +109,11 @@ def _train(args: argparse.Namespace) -> int:
                 {k.replace("eval/", "test/"): v for k, v in trainer.evaluate(trainer.test_dataset).items()}
             )
         if distributed.is_main_process():
-            print(json.dumps({"step": int(result.state.step), **summary, "stop_reason": result.stop_reason}))
+            step = int(result.state.step.reshape(-1)[0])  # a sweep's members share their step count
+            if trainer.config.sweep:
+                best = trainer.sweep_best
+                summary = {"best_member": best, **trainer.sweep_members[best], **summary}
+            print(json.dumps({"step": step, **summary, "stop_reason": result.stop_reason}))
     return 0
 
 
@@ -186,6 +190,14 @@ def build_parser() -> argparse.ArgumentParser:
         "overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. optimizer.lr=3e-4"
     )
     train.add_argument("--help-config", action="store_true", help="list every config field with its default")
+    train.add_argument(
+        "--sweep",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="train these values side by side as one ensemble (repeatable: the grid of all), e.g. "
+        "--sweep optimizer.lr=1e-3,3e-3 --sweep seed=0,1",
+    )
     more = train.add_mutually_exclusive_group()
     more.add_argument(
         "--additional-epochs",

@@ -34,7 +34,9 @@ import torch
 from functrain import distributed, random, tree
 from functrain.callbacks.base import Callback, Context
 from functrain.data import DataPosition, Loader
+from functrain.ensemble.stacked import is_ensemble, run_key, size
 from functrain.logging import History
+from functrain.logging.members import expand_members
 
 __all__ = ["FitResult", "LoopState", "RunFinishedWarning", "evaluate", "fit", "predict"]
 
@@ -135,14 +137,18 @@ def _scalar_dict(values: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
-def _flatten_metric_values(prefix: str, computed: Any) -> dict[str, Any]:
+def _flatten_metric_values(prefix: str, computed: Any, members: int | None = None) -> dict[str, Any]:
+    """Nested metric dicts -> ``prefix/name`` keys; a vector metric (per class) -> ``name_0``, ``name_1``...
+    With ``members`` (an ensemble), every value carries a leading member axis that is kept, for
+    :func:`~functrain.logging.expand_members`."""
     out: dict[str, Any] = {}
     if isinstance(computed, Mapping):
         for name, value in computed.items():
-            out.update(_flatten_metric_values(f"{prefix}/{name}" if prefix else str(name), value))
-    elif isinstance(computed, torch.Tensor) and computed.numel() > 1:
-        for i, v in enumerate(computed.reshape(-1)):
-            out[f"{prefix}_{i}"] = v
+            out.update(_flatten_metric_values(f"{prefix}/{name}" if prefix else str(name), value, members))
+    elif isinstance(computed, torch.Tensor) and computed.numel() > (members or 1):
+        flat = computed.reshape(members, -1) if members else computed.reshape(-1)
+        for i in range(flat.shape[-1]):
+            out[f"{prefix}_{i}"] = flat[..., i]
     else:
         out[prefix] = computed
     return out
@@ -236,11 +242,12 @@ def evaluate(
     )
     if count == 0:
         raise ValueError("evaluate: the evaluation data produced no examples")
+    members = _members(state)
     values: dict[str, Any] = {f"{prefix}/loss": loss_sum / count}
     values.update({f"{prefix}/{k}": v / count for k, v in extra_sums.items()})
     if merged is not None:
-        values.update(_flatten_metric_values(prefix, metric_fns.compute(merged)))
-    return _scalar_dict(values)
+        values.update(_flatten_metric_values(prefix, metric_fns.compute(merged), members))
+    return _scalar_dict(expand_members(values, members))
 
 
 # ------------------------------------------------------------------------------------------ predict
@@ -384,7 +391,7 @@ def fit(
     loader = _as_loader(
         train_data,
         batch_size,
-        random.fold_in(state.rng, _DATA_KEY),
+        random.fold_in(run_key(state), _DATA_KEY),
         "fit",
         shuffle=True,
         shard=True,
@@ -399,6 +406,15 @@ def fit(
                 "gradient_reducer=functrain.distributed.gradient_reducer(model=model)), created after "
                 "functrain.distributed.initialize()"
             )
+    if (
+        is_ensemble(state)
+        and getattr(train_step, "kind", None) == "train"
+        and not getattr(train_step, "ensemble", False)
+    ):
+        raise ValueError(
+            f"fit: the state is an ensemble of {size(state)} members, but the train step runs one model; "
+            "wrap it: ft.jit(ft.ensemble.step(train_step)) (and ft.ensemble.eval_step for evaluation)"
+        )
     bpe = loader.batches_per_epoch
     if (epochs is not None or additional_epochs is not None) and bpe is None:
         raise ValueError(
@@ -421,7 +437,8 @@ def fit(
     events = _Events(callbacks)
     loggers = list(loggers) if main else []
     history = history if history is not None else History()
-    window = _Window()
+    members = _members(state)
+    window = _Window(members)
     position = DataPosition()
     ctx = Context(batches_per_epoch=bpe, log_every=log_every, history=history)
     finished = ""  # why the run ended for good: recorded in its checkpoints
@@ -452,7 +469,7 @@ def fit(
                     cb.load_state_dict(saved["callbacks"][n])
             history = History.from_dict(json.loads(saved["history"]))
             ctx.history = history
-            window = _Window.from_json(saved["window"], state.params)
+            window = _Window.from_json(saved["window"], state.params, members)
             finished = str(saved.get("finished", ""))
             if resume_file:
                 restored_path = os.fspath(resume)
@@ -463,7 +480,7 @@ def fit(
     elif resume is not False and manager is None:
         raise ValueError("fit: resume needs checkpoints=CheckpointManager(...) (or a directory)")
 
-    host_step = int(state.step)
+    host_step = int(state.step.reshape(-1)[0])  # an ensemble's members share their step count
     if restored_path is None and host_step > 0 and bpe is not None:
         position = DataPosition.from_batch_count(host_step, bpe)  # continue the stream, as a resume would
     num_epochs, total = _run_length(
@@ -489,8 +506,8 @@ def fit(
         train_metrics = getattr(train_step, "metrics", None)
         if train_metrics is not None and state.metrics is not None:
             merged = distributed.all_reduce_metric_state(train_metrics, state.metrics)
-            scalars.update(_flatten_metric_values("train", train_metrics.compute(merged)))
-        history.put_scalars(scalars, host_step)
+            scalars.update(_flatten_metric_values("train", train_metrics.compute(merged), members))
+        history.put_scalars(expand_members(scalars, members), host_step)
         floats = history.at(host_step)  # ours and what callbacks put, with one sync for all
         ctx.logs.update(floats)
         for lg in loggers:
@@ -701,15 +718,18 @@ def _as_manager(checkpoints: Any) -> Any:
 
 
 class _Window:
-    """Running sums of the step metrics since the last log, kept on the device (no sync per step)."""
+    """Running sums of the step metrics since the last log, kept on the device (no sync per step).
+    An ensemble's metrics (``members`` given) are ``[members]`` vectors, summed the same way."""
 
-    def __init__(self) -> None:
+    def __init__(self, members: int | None = None) -> None:
         self.sums: dict[str, torch.Tensor] = {}
         self.count = 0
+        self.members = members
 
     def add(self, metrics: Mapping[str, torch.Tensor]) -> None:
+        shape = () if self.members is None else (self.members,)
         for k, v in metrics.items():
-            if isinstance(v, torch.Tensor) and v.ndim == 0:
+            if isinstance(v, torch.Tensor) and v.shape == shape:
                 v = v.detach().float()
                 self.sums[k] = v if k not in self.sums else self.sums[k] + v
         self.count += 1
@@ -720,18 +740,30 @@ class _Window:
         return out
 
     def to_json(self) -> str:
-        sums = _scalar_dict(self.sums)
-        return json.dumps(
-            {"count": self.count, "sums": {k: (v if math.isfinite(v) else repr(v)) for k, v in sums.items()}}
-        )
+        def number(v: float) -> float | str:
+            return v if math.isfinite(v) else repr(v)
+
+        if self.members is None:
+            sums: dict[str, Any] = {k: number(v) for k, v in _scalar_dict(self.sums).items()}
+        else:
+            sums = {k: [number(x) for x in v.detach().cpu().tolist()] for k, v in self.sums.items()}
+        return json.dumps({"count": self.count, "sums": sums})
 
     @classmethod
-    def from_json(cls, text: str, like: Mapping[str, torch.Tensor]) -> _Window:
+    def from_json(cls, text: str, like: Mapping[str, torch.Tensor], members: int | None = None) -> _Window:
         data = json.loads(text)
-        window = cls()
+        window = cls(members)
         window.count = int(data["count"])
         device = next(iter(like.values())).device if like else torch.device("cpu")
-        window.sums = {
-            k: torch.tensor(float(v), dtype=torch.float32, device=device) for k, v in data["sums"].items()
-        }
+
+        def tensor(v: Any) -> torch.Tensor:
+            value = [float(x) for x in v] if isinstance(v, list) else float(v)
+            return torch.tensor(value, dtype=torch.float32, device=device)
+
+        window.sums = {k: tensor(v) for k, v in data["sums"].items()}
         return window
+
+
+def _members(state: Any) -> int | None:
+    """The member count of an ensemble state (``functrain.ensemble``), ``None`` for one model."""
+    return size(state) if is_ensemble(state) else None

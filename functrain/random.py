@@ -113,8 +113,13 @@ def step_seed(key_: torch.Tensor, step: int | torch.Tensor, rank: int = 0) -> in
     """The seed of one training step: a function of the state's key, its step and the process rank.
 
     Ranks get different seeds (different dropout masks); the same ``(key, step, rank)`` always gives
-    the same seed.
+    the same seed. An ensemble's stacked keys (``[n, 2]``, steps ``[n]``) give one seed from every
+    member's: the vmapped step draws all members' masks from it (``functrain.ensemble``).
     """
+    if isinstance(key_, torch.Tensor) and key_.ndim == 2:
+        steps = step.reshape(-1).tolist() if isinstance(step, torch.Tensor) else [step] * len(key_)
+        seeds = [step_seed(k, s, rank) for k, s in zip(key_, steps)]
+        return int.from_bytes(_digest(0xE45E, *seeds)[:8], "little") >> 1
     hi, lo = _words(key_)
     step_i = int(step)  # state.step is a CPU tensor: reading it never waits for a device
     return int.from_bytes(_digest(hi, lo, 0x57E9, step_i, int(rank))[:8], "little") >> 1

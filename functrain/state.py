@@ -263,7 +263,7 @@ class TrainState:
     def __repr__(self) -> str:
         opt = type(self.opt_state).__name__ if self.opt_state is not None else "None"
         lines = [
-            f"TrainState(step={int(self.step)},",
+            f"TrainState(step={self.step.tolist()},",  # a list for an ensemble's stacked steps
             f"  params={_describe(self.params)},",
             f"  buffers={_describe(self.buffers)},",
             f"  opt_state={opt}: {_describe(self.opt_state)},",

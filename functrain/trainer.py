@@ -29,10 +29,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from functrain import averaging, checkpoint, data, distributed, metrics, optim
+from functrain import averaging, checkpoint, data, distributed, ensemble, metrics, optim
 from functrain import callbacks as cbs
 from functrain import logging as ftlog
 from functrain.config import ConfigError, TrainerConfig
+from functrain.ensemble import sweep as ensemble_sweep
 from functrain.jit import jit
 from functrain.loop import FitResult, evaluate, fit
 from functrain.model_summary import summary
@@ -262,6 +263,8 @@ class Trainer:
             model, self._loss_for_eval, metrics=self.metrics, precision=self._precision
         )
         self._predict_step = make_predict_step(model, self._forward_for_predict, precision=self._precision)
+        if cfg.sweep:
+            self._ensemble_steps()
         self._jitted: dict[str, Any] = {}
         self.result: FitResult | None = None
 
@@ -375,6 +378,8 @@ class Trainer:
             result.state = state
         self.state = state
         self.result = result
+        if cfg.sweep and distributed.is_main_process():
+            self._report_sweep(result, out)
         return result
 
     def evaluate(self, dataset: Any = None) -> dict[str, float]:
@@ -400,7 +405,10 @@ class Trainer:
     def save(self, path: str | os.PathLike[str]) -> None:
         """Save the train state (params, buffers, optimizer state, step, key) as a msgpack checkpoint."""
         checkpoint.save(
-            path, self.state, step=int(self.state.step), metadata={"tied_parameters": dict(self.state.tied)}
+            path,
+            self.state,
+            step=int(self.state.step.reshape(-1)[0]),  # a sweep's members share their step count
+            metadata={"tied_parameters": dict(self.state.tied)},
         )
 
     def load(self, path: str | os.PathLike[str]) -> TrainState:
@@ -485,6 +493,8 @@ class Trainer:
 
     def _initial_state(self) -> TrainState:
         cfg = self.config
+        if cfg.sweep:
+            return self._sweep_state()
         state = TrainState.create(
             self.model,
             self.tx,
@@ -532,7 +542,7 @@ class Trainer:
                 dynamic=None if kind != "train" else False,
             )
             # the loop finds these on the step (a bound method carries no attributes of its own)
-            self._jitted[kind].metrics = self.metrics if kind == "eval" else None
+            self._jitted[kind].metrics = getattr(self._eval_step, "metrics", None) if kind == "eval" else None
             self._jitted[kind].gradient_reducer = getattr(self._train_step, "gradient_reducer", None)
         return self._jitted[kind]
 
@@ -549,7 +559,7 @@ class Trainer:
             dataset,
             batch_size,
             shuffle=cfg.shuffle if train else False,
-            key=random.fold_in(self.state.rng, 0xDA7A) if train else None,
+            key=random.fold_in(ensemble.run_key(self.state), 0xDA7A) if train else None,
             drop_last=cfg.drop_last if train else False,
             collate_fn=self.data_collator,
             num_workers=cfg.num_workers,
@@ -637,3 +647,61 @@ class Trainer:
         target: Mapping[str, torch.Tensor], saved: Mapping[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         return {k: saved[k].to(v.device) for k, v in target.items()}
+
+    # ------------------------------------------------------------------------------ sweeps
+
+    def best_member(self) -> TrainState:
+        """After a sweep (``config.sweep``): the winning member's state, by the final
+        ``metric_for_best_model`` (the training loss when nothing is evaluated).
+
+        Example:
+            >>> trainer = Trainer(model, TrainerConfig(epochs=3, sweep={"optimizer.lr": [1e-3, 3e-3]}), train, val)
+            >>> trainer.train(); best = trainer.best_member()
+        """
+        if not self.config.sweep:
+            raise ValueError("Trainer.best_member: this run is not a sweep (set config.sweep)")
+        if self.result is None:
+            raise ValueError("Trainer.best_member: train first")
+        return ensemble.member(self.state, self.sweep_best)
+
+    def _sweep_state(self) -> TrainState:
+        cfg = self.config
+        unsupported = "init_weights_from" if cfg.init_weights_from else None
+        if distributed.is_distributed():
+            unsupported = "data parallelism (torchrun)"
+        if unsupported:
+            raise ConfigError.single(
+                "sweep",
+                f"a sweep trains its members as one ensemble, which does not support {unsupported}",
+                "run one training per value instead of a sweep",
+            )
+        self.sweep_members = ensemble_sweep.grid(cfg.sweep)
+        try:
+            return ensemble_sweep.sweep_state(
+                self.model,
+                self.tx,
+                self.sweep_members,
+                seed=cfg.seed,
+                base_lr=cfg.optimizer.lr,
+                device=self.device,
+                loss_scale=LossScale.create() if cfg.mixed_precision == "fp16" else None,
+            )
+        except ValueError as err:
+            raise ConfigError.single("sweep", str(err), "sweep optimizer.lr or seed instead") from err
+
+    def _ensemble_steps(self) -> None:
+        self._train_step = ensemble.step(self._train_step)
+        self._eval_step = ensemble.eval_step(self._eval_step)
+        self._predict_step = ensemble.predict_step(self._predict_step)
+
+    def _report_sweep(self, result: FitResult, out: Path) -> None:
+        cfg = self.config
+        rows = ensemble_sweep.results(result.history, self.sweep_members)
+        evaluated = cfg.eval_strategy != "no" and any(f"{self._best_metric} (final)" in r for r in rows)
+        metric, mode = (
+            (self._best_metric, cfg.resolved_best_model_mode) if evaluated else ("train/loss", "min")
+        )
+        self.sweep_best = ensemble_sweep.best_index(rows, metric, mode)
+        self.sweep_results = rows
+        ensemble_sweep.write_results(rows, out, best=self.sweep_best)
+        ensemble_sweep.plot_sweep(result.history, self.sweep_members, out / "sweep_curves.png")

@@ -30,6 +30,8 @@ import optree
 import torch
 import torch.utils._pytree as torch_pytree
 
+from functrain import _foreach as foreach
+
 NAMESPACE = "functrain"
 
 PyTree = Any
@@ -240,7 +242,7 @@ def global_norm(tree: PyTree) -> torch.Tensor:
     xs = _tensors(tree)
     if not xs:
         return torch.zeros(())
-    norms = torch._foreach_norm(xs)
+    norms = foreach.norm(xs)
     return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
 
 

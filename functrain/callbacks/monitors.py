@@ -31,11 +31,14 @@ class LearningRateMonitor(Callback):
 
     def on_step_end(self, state: Any, ctx: Context) -> Any:
         if ctx.logging_step:
+            from functrain.logging.members import expand_members
             from functrain.optim import hyperparams
 
             for name, value in hyperparams(state.opt_state).items():
                 if self.names is None or name in self.names:
-                    ctx.history.put("lr" if name == "learning_rate" else name, value, ctx.step)
+                    key = "lr" if name == "learning_rate" else name
+                    members = value.shape[0] if value.ndim == 1 else None  # an ensemble: one per member
+                    ctx.history.put_scalars(expand_members({key: value}, members), ctx.step)
         return state
 
 

@@ -14,6 +14,13 @@ def _format(logs: dict[str, float], keys: list[str] | None = None) -> str:
     return "  ".join(f"{k}={v:.4g}" for k, v in items)
 
 
+def _shown_by_default(key: str) -> bool:
+    """Losses and eval metrics; for an ensemble the members' mean and best, not each member."""
+    if "/member_" in key or key.endswith("/worst"):
+        return False
+    return key.endswith(("loss", "loss/best")) or key.startswith("eval/")
+
+
 class ProgressBar(Callback):
     """A ``tqdm.auto`` progress bar over optimizer steps, showing the latest logged loss and metrics.
 
@@ -45,7 +52,7 @@ class ProgressBar(Callback):
     def _refresh(self, ctx: Context) -> None:
         if self._bar is not None and ctx.logs and ctx.logs != self._shown:
             self._shown = dict(ctx.logs)
-            keys = self.keys or [k for k in ctx.logs if k.endswith("loss") or k.startswith("eval/")][:6]
+            keys = self.keys or [k for k in ctx.logs if _shown_by_default(k)][:6]
             self._bar.set_postfix_str(_format(ctx.logs, keys), refresh=False)
 
     def on_epoch_end(self, state: Any, ctx: Context) -> Any:

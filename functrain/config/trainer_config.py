@@ -41,6 +41,7 @@ from functrain.config.sections import (
     OptimizerConfig,
     SchedulerConfig,
 )
+from functrain.config.sweep import normalize_sweep
 from functrain.config.yaml_io import dump_yaml, load_yaml_mapping, read_yaml_source, write_text_atomic
 
 __all__ = ["TrainerConfig"]
@@ -234,6 +235,13 @@ class TrainerConfig(ConfigSection):
     compile: bool = option(True, doc="Compile train and eval steps with torch.compile(fullgraph=True).")
     compile_mode: CompileMode | None = option(None, doc="torch.compile mode; null: PyTorch's default.")
     donate: bool = option(False, doc="Let the step overwrite the incoming state's tensors (saves memory).")
+    # -- sweeps (functrain.ensemble)
+    sweep: dict[str, list[Any]] = option(
+        default_factory=dict,
+        doc="Values to train side by side as one ensemble, e.g. {optimizer.lr: [1e-3, 3e-3], seed: [0, 1]}: "
+        "every combination is a member; only optimizer.lr, optimizer.weight_decay and seed can be swept.",
+        normalize=normalize_sweep,
+    )
     # -- freezing, weight averaging
     freeze: FreezeConfig = option(default_factory=FreezeConfig, doc="Parameters not to train.")
     ema: EmaConfig | None = option(

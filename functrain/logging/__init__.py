@@ -22,6 +22,7 @@ _lazy.install(
         "CSVWriter": "functrain.logging.csv_writer",
         **dict.fromkeys(("History", "to_floats"), "functrain.logging.history"),
         **dict.fromkeys(("JSONLWriter", "read_jsonl"), "functrain.logging.jsonl"),
+        "expand_members": "functrain.logging.members",
         **dict.fromkeys(("find_metrics", "plot_run"), "functrain.logging.plot"),
         "MLflowWriter": "functrain.logging.mlflow",
         "TensorBoardWriter": "functrain.logging.tensorboard",
@@ -35,8 +36,9 @@ if TYPE_CHECKING:
     from functrain.logging.csv_writer import CSVWriter
     from functrain.logging.history import History, to_floats
     from functrain.logging.jsonl import JSONLWriter, read_jsonl
-    from functrain.logging.plot import find_metrics, plot_run
+    from functrain.logging.members import expand_members
     from functrain.logging.mlflow import MLflowWriter
+    from functrain.logging.plot import find_metrics, plot_run
     from functrain.logging.tensorboard import TensorBoardWriter
     from functrain.logging.wandb import WandbWriter
     from functrain.logging.writer import MultiWriter, Writer
@@ -51,6 +53,7 @@ __all__ = [
     "TensorBoardWriter",
     "WandbWriter",
     "Writer",
+    "expand_members",
     "find_metrics",
     "plot_run",
     "read_jsonl",

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from functrain import _foreach as foreach
 from functrain import tree
 from functrain.optim._leaves import describe_mismatch
 from functrain.tree import PyTree
@@ -179,4 +180,4 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     if not param_leaves:
         return params
     update_leaves = [u if u.dtype == p.dtype else u.to(p.dtype) for p, u in zip(param_leaves, update_leaves)]
-    return tree.unflatten(spec, torch._foreach_add(param_leaves, update_leaves))
+    return tree.unflatten(spec, foreach.add(param_leaves, update_leaves))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from functrain import _foreach as foreach
 from functrain import tree
 from functrain.optim._leaves import check_nonnegative
 from functrain.optim.base import GradientTransformation, stateless_leafwise
@@ -29,8 +30,8 @@ def clip(max_delta: float) -> GradientTransformation:
     max_delta = check_nonnegative("clip", "max_delta", max_delta)
 
     def clamp(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-        clipped = torch._foreach_clamp_min(leaves, -max_delta)
-        torch._foreach_clamp_max_(clipped, max_delta)
+        clipped = foreach.clamp_min(leaves, -max_delta)
+        foreach.clamp_max_(clipped, max_delta)
         return clipped
 
     return stateless_leafwise(clamp)
@@ -51,6 +52,6 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
 
     def rescale(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         factor = torch.clamp(max_norm / (tree.global_norm(leaves) + 1e-6), max=1.0)
-        return torch._foreach_mul(leaves, factor)
+        return foreach.mul(leaves, factor)
 
     return stateless_leafwise(rescale)

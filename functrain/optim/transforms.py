@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from functrain import _foreach as foreach
 from functrain import tree
 from functrain.optim._leaves import (
     check_nonnegative,
@@ -90,7 +91,7 @@ def scale(step_size: float) -> GradientTransformation:
         {'w': tensor([-2.])}
     """
     step_size = check_real("scale", "step_size", step_size)
-    return stateless_leafwise(lambda leaves: torch._foreach_mul(leaves, step_size))
+    return stateless_leafwise(lambda leaves: foreach.mul(leaves, step_size))
 
 
 @tree.struct
@@ -149,7 +150,7 @@ def scale_by_learning_rate(
             leaves, spec = tree.flatten(updates)
             if not leaves:
                 return updates, new_state
-            return tree.unflatten(spec, torch._foreach_mul(leaves, lr * sign)), new_state
+            return tree.unflatten(spec, foreach.mul(leaves, lr * sign)), new_state
 
         return GradientTransformation(init_scheduled, update_scheduled)
 
@@ -164,7 +165,7 @@ def scale_by_learning_rate(
         leaves, spec = tree.flatten(updates)
         if not leaves:
             return updates, state
-        return tree.unflatten(spec, torch._foreach_mul(leaves, state.learning_rate * sign)), state
+        return tree.unflatten(spec, foreach.mul(leaves, state.learning_rate * sign)), state
 
     return GradientTransformation(init, update)
 
@@ -209,8 +210,8 @@ def add_decayed_weights(weight_decay: float = 0.0, mask: PyTree | None = None) -
         leaves, (param_leaves,), spec = flatten_matching("add_decayed_weights", updates, params)
         if not leaves:
             return updates, state
-        decayed = torch._foreach_mul(param_leaves, state.weight_decay)
-        torch._foreach_add_(decayed, leaves)
+        decayed = foreach.mul(param_leaves, state.weight_decay)
+        foreach.add_(decayed, leaves)
         return tree.unflatten(spec, decayed), state
 
     return GradientTransformation(init, update)
@@ -248,9 +249,9 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
         leaves, (buffers,), spec = flatten_matching("trace", updates, state.trace)
         if not leaves:
             return updates, state
-        new_buffers = torch._foreach_mul(buffers, decay)
-        torch._foreach_add_(new_buffers, leaves)
-        out = torch._foreach_add(leaves, new_buffers, alpha=decay) if nesterov else new_buffers
+        new_buffers = foreach.mul(buffers, decay)
+        foreach.add_(new_buffers, leaves)
+        out = foreach.add(leaves, new_buffers, alpha=decay) if nesterov else new_buffers
         return tree.unflatten(spec, out), TraceState(trace=tree.unflatten(spec, new_buffers))
 
     return GradientTransformation(init, update)
@@ -302,25 +303,25 @@ def scale_by_adam(
         count = state.count + 1
         if not grads:
             return updates, state.replace(count=count)
-        mu = torch._foreach_lerp(state_leaves[0], grads, 1.0 - b1)
-        nu = torch._foreach_mul(state_leaves[1], b2)
-        torch._foreach_addcmul_(nu, grads, grads, 1.0 - b2)
-        nu_max = torch._foreach_maximum(state_leaves[2], nu) if amsgrad else None
+        mu = foreach.lerp(state_leaves[0], grads, 1.0 - b1)
+        nu = foreach.mul(state_leaves[1], b2)
+        foreach.addcmul_(nu, grads, grads, 1.0 - b2)
+        nu_max = foreach.maximum(state_leaves[2], nu) if amsgrad else None
         second = nu_max if amsgrad else nu
         bias_correction1 = _one_minus_pow(b1, count)
         bias_correction2 = _one_minus_pow(b2, count)
         if eps_root == 0.0:
             bias_correction1, sqrt_bias_correction2 = _once(bias_correction1, torch.sqrt(bias_correction2))
-            denom = torch._foreach_sqrt(second)
-            torch._foreach_div_(denom, sqrt_bias_correction2)
+            denom = foreach.sqrt(second)
+            foreach.div_(denom, sqrt_bias_correction2)
         else:
             bias_correction1, bias_correction2 = _once(bias_correction1, bias_correction2)
-            denom = torch._foreach_div(second, bias_correction2)
-            torch._foreach_add_(denom, eps_root)
-            torch._foreach_sqrt_(denom)
-        torch._foreach_add_(denom, eps)
-        direction = torch._foreach_div(mu, denom)
-        torch._foreach_div_(direction, bias_correction1)
+            denom = foreach.div(second, bias_correction2)
+            foreach.add_(denom, eps_root)
+            foreach.sqrt_(denom)
+        foreach.add_(denom, eps)
+        direction = foreach.div(mu, denom)
+        foreach.div_(direction, bias_correction1)
         new_state = ScaleByAdamState(
             count=count,
             mu=tree.unflatten(spec, mu),
@@ -371,20 +372,20 @@ def scale_by_rms(
         grads, state_leaves, spec = flatten_matching(who, updates, *moments)
         if not grads:
             return updates, state
-        nu = torch._foreach_mul(state_leaves[0], decay)
-        torch._foreach_addcmul_(nu, grads, grads, 1.0 - decay)
+        nu = foreach.mul(state_leaves[0], decay)
+        foreach.addcmul_(nu, grads, grads, 1.0 - decay)
         if centered:
-            mu = torch._foreach_lerp(state_leaves[1], grads, 1.0 - decay)
-            avg = torch._foreach_addcmul(nu, mu, mu, -1.0)
-            torch._foreach_sqrt_(avg)
+            mu = foreach.lerp(state_leaves[1], grads, 1.0 - decay)
+            avg = foreach.addcmul(nu, mu, mu, -1.0)
+            foreach.sqrt_(avg)
         else:
             mu = None
-            avg = torch._foreach_sqrt(nu)
-        torch._foreach_add_(avg, eps)
+            avg = foreach.sqrt(nu)
+        foreach.add_(avg, eps)
         new_state = ScaleByRmsState(
             nu=tree.unflatten(spec, nu), mu=tree.unflatten(spec, mu) if centered else None
         )
-        return tree.unflatten(spec, torch._foreach_div(grads, avg)), new_state
+        return tree.unflatten(spec, foreach.div(grads, avg)), new_state
 
     return GradientTransformation(init, update)
 
@@ -417,10 +418,10 @@ def scale_by_adagrad(initial_accumulator_value: float = 0.0, eps: float = 1e-10)
         grads, (sums,), spec = flatten_matching(who, updates, state.sum_of_squares)
         if not grads:
             return updates, state
-        new_sums = torch._foreach_addcmul(sums, grads, grads)
-        std = torch._foreach_sqrt(new_sums)
-        torch._foreach_add_(std, eps)
-        direction = torch._foreach_div(grads, std)
+        new_sums = foreach.addcmul(sums, grads, grads)
+        std = foreach.sqrt(new_sums)
+        foreach.add_(std, eps)
+        direction = foreach.div(grads, std)
         return tree.unflatten(spec, direction), ScaleByAdagradState(
             sum_of_squares=tree.unflatten(spec, new_sums)
         )
@@ -455,8 +456,8 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
         grads, (mu,), spec = flatten_matching(who, updates, state.mu)
         if not grads:
             return updates, state
-        direction = torch._foreach_sign(torch._foreach_lerp(mu, grads, 1.0 - b1))
-        new_mu = torch._foreach_lerp(mu, grads, 1.0 - b2)
+        direction = foreach.sign(foreach.lerp(mu, grads, 1.0 - b1))
+        new_mu = foreach.lerp(mu, grads, 1.0 - b2)
         return tree.unflatten(spec, direction), ScaleByLionState(mu=tree.unflatten(spec, new_mu))
 
     return GradientTransformation(init, update)
@@ -488,8 +489,8 @@ def scale_by_trust_ratio(
         leaves, (param_leaves,), spec = flatten_matching(who, updates, params)
         if not leaves:
             return updates, state
-        param_norms = torch.stack(torch._foreach_norm(param_leaves)).clamp(min=min_norm)
-        update_norms = torch.stack(torch._foreach_norm(leaves)).clamp(min=min_norm)
+        param_norms = torch.stack(foreach.norm(param_leaves)).clamp(min=min_norm)
+        update_norms = torch.stack(foreach.norm(leaves)).clamp(min=min_norm)
         ratio = trust_coefficient * param_norms / (update_norms + eps)
         ratio = torch.where((param_norms == 0) | (update_norms == 0), torch.ones_like(ratio), ratio)
         out = [u * r.to(u.dtype) for u, r in zip(leaves, ratio.unbind())]
