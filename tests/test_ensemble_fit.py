@@ -128,7 +128,7 @@ class _StopAt(ft.callbacks.Callback):
 
     def on_step_end(self, state, ctx):
         if ctx.step == self.at:
-            ctx.control.stop("interrupted")
+            ctx.control.stop("interrupted", final=False)  # resumable, as preemption
         return state
 
 
