@@ -77,11 +77,9 @@ def _build_trainer(config_path: str, overrides: Sequence[str]) -> Any:
 
 
 def _latest_checkpoint(trainer: Any) -> str:
-    from functrain.checkpoint import CheckpointManager
-
-    cfg = trainer.config
-    manager = CheckpointManager(os.path.join(cfg.output_dir, cfg.checkpoints_dir))
-    step = manager.best() if cfg.load_best_model_at_end and manager.best() is not None else manager.latest()
+    manager = trainer.checkpoint_manager()
+    best = manager.best() if trainer.config.load_best_model_at_end and manager.best_metric else None
+    step = best if best is not None else manager.latest()
     if step is None:
         raise FileNotFoundError(f"no checkpoint in {manager.directory}; train first or pass --checkpoint")
     return manager.path(step)

@@ -331,13 +331,7 @@ class Trainer:
             cfg.save(out / "config.yaml")
             if cfg.print_summary:
                 print(summary(self.model, frozen=self.frozen))
-        manager = checkpoint.CheckpointManager(
-            out / cfg.checkpoints_dir,
-            max_to_keep=cfg.save_total_limit,
-            best_metric=self._best_metric if cfg.eval_strategy != "no" else None,
-            best_mode=cfg.resolved_best_model_mode or "min",
-            keep_best=1 if cfg.eval_strategy != "no" else 0,
-        )
+        manager = self.checkpoint_manager()
         resume = self._resume_argument(manager)
         loggers = self._loggers(out / cfg.logs_dir)
         extending = additional_epochs is not None or additional_steps is not None
@@ -430,6 +424,25 @@ class Trainer:
     @property
     def _precision(self) -> str | None:
         return None if self.config.mixed_precision == "no" else self.config.mixed_precision
+
+    def checkpoint_manager(self) -> checkpoint.CheckpointManager:
+        """The run's checkpoint folder as ``train()`` writes it: retention, and the best model by
+        ``metric_for_best_model`` when the run evaluates. Opening it reads only (the CLI's eval/predict
+        use it to find the latest or best checkpoint of a run).
+
+        Example:
+            >>> trainer.checkpoint_manager().latest()  # doctest: +SKIP
+            200
+        """
+        cfg = self.config
+        evaluates = cfg.eval_strategy != "no"
+        return checkpoint.CheckpointManager(
+            Path(cfg.output_dir) / cfg.checkpoints_dir,
+            max_to_keep=cfg.save_total_limit,
+            best_metric=self._best_metric if evaluates else None,
+            best_mode=cfg.resolved_best_model_mode or "min",
+            keep_best=1 if evaluates else 0,
+        )
 
     @property
     def _best_metric(self) -> str:

@@ -213,6 +213,19 @@ def test_cli_train_eval_predict(tmp_path: Path, capsys, monkeypatch):
     assert cli(["inspect", str(tmp_path / "preds.ckpt")]) == 0
 
 
+def test_cli_eval_with_load_best_model_at_end_uses_the_best_checkpoint(tmp_path: Path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(HERE))
+    path = write_config(tmp_path, epochs=3, load_best_model_at_end=True, metric_for_best_model="loss")
+    assert cli(["train", str(path)]) == 0
+    capsys.readouterr()
+    manager = checkpoint.CheckpointManager(tmp_path / "cli_run" / "checkpoints", best_metric="eval/loss")
+    best = manager.best()
+    assert best is not None
+    assert cli(["eval", str(path)]) == 0  # before: ValueError, best() needs a metric
+    evaluated = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert evaluated["eval/loss"] == pytest.approx(manager.metrics(best)["eval/loss"], rel=1e-6)
+
+
 def test_cli_resume_of_an_early_stopped_run_stays_finished(tmp_path: Path, capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(HERE))
     early = {"monitor": "loss", "patience": 1, "min_delta": 1e9}  # nothing counts as an improvement
