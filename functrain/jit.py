@@ -108,6 +108,14 @@ TORCH_WORKAROUNDS: tuple[TorchWorkaround, ...] = (
         remove="2.13 traces the comparison: make tree.same_structure(a, b) return a == b when torch>=2.13",
         where="functrain.tree.same_structure",
     ),
+    TorchWorkaround(
+        first=(2, 10),
+        last=(2, 12),
+        symptom="with options={'fallback_random': True}, a compiled step whose loss has two or more dropouts "
+        "draws other masks than the eager step (torch.compile of torch.func.grad, without functrain too)",
+        remove="nothing to undo in functrain: drop the xfail when torch>=2.13",
+        where="tests/test_jit.py::test_compiled_matches_eager_trajectory (xfail on these versions)",
+    ),
 )
 
 
