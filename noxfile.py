@@ -1,27 +1,49 @@
-"""nox sessions: tests, lint, bench, demo.  Run ``nox -s tests`` (``pip install nox`` first).
+"""nox sessions: tests, lint, bench, demo.  Run ``nox`` (``pip install nox`` first): lint and the tests on
+the newest torch.
 
-Every session installs the pinned CPU torch before functrain: an unpinned torch pulls several GB of
-CUDA packages.
+Every session installs a pinned torch before functrain: an unpinned torch pulls several GB of CUDA
+packages. ``tests`` runs once per supported torch: ``nox -s "tests(torch='2.13.0')"`` (the newest, the
+whole suite, a CPU build; the default) or an older one such as ``nox -s "tests(torch='2.10.0')"`` (PyPI's
+CUDA build, about 3 GB more, which runs on a CPU too) for the tests that compile a step.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import nox
 
-TORCH = "torch==2.13.0"
-nox.options.sessions = ["lint", "tests"]
+NEWEST = "2.13.0"
+# Every supported torch, newest first; the last is pyproject.toml's torch>= floor (tested by .ci/run).
+TORCH_VERSIONS = [NEWEST, "2.12.0", "2.11.0", "2.10.0"]
+# What an older torch runs: the tests that compile a step (keep in step with .ci/run's FLOOR_TESTS).
+FLOOR_TESTS = [
+    "tests/test_step.py",
+    "tests/test_jit.py",
+    "tests/test_optim*.py",
+    "tests/test_metrics*.py",
+    "tests/test_torch_versions.py",
+]
+TORCH = f"torch=={NEWEST}"
+nox.options.sessions = ["lint", f"tests(torch='{NEWEST}')"]
 
 
-def _install(session: nox.Session, extras: str = "dev") -> None:
-    session.install(TORCH)
+def _install(session: nox.Session, extras: str = "dev", torch: str = TORCH) -> None:
+    session.install(torch)
     session.install("-e", f".[{extras}]")
 
 
 @nox.session
-def tests(session: nox.Session) -> None:
-    """The test suite (compile-heavy tests included; add -- -m 'not compile' to skip them)."""
-    _install(session)
-    session.run("python", "-m", "pytest", "-q", *session.posargs)
+@nox.parametrize("torch", TORCH_VERSIONS)
+def tests(session: nox.Session, torch: str) -> None:
+    """The test suite on the newest torch, the step/optimizer/jit/metrics tests on an older one
+    (compile-heavy tests included; add -- -m 'not compile' to skip them)."""
+    _install(session, torch=f"torch=={torch}")
+    if torch == NEWEST:
+        session.run("python", "-m", "pytest", "-q", *session.posargs)
+    else:
+        files = sorted(str(p) for pattern in FLOOR_TESTS for p in Path().glob(pattern))
+        session.run("python", "-m", "pytest", "-q", *files, *session.posargs)
 
 
 @nox.session

@@ -23,6 +23,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -51,6 +53,7 @@ __all__ = [
     "num_elements",
     "path_str",
     "paths",
+    "same_structure",
     "struct",
     "structure",
     "unflatten",
@@ -182,6 +185,69 @@ def unflatten(spec: optree.PyTreeSpec, leaves_: Iterable[Any]) -> PyTree:
 def structure(tree: PyTree) -> optree.PyTreeSpec:
     """The tree's structure (a hashable ``PyTreeSpec``)."""
     return optree.tree_structure(tree, namespace=NAMESPACE)
+
+
+def same_structure(a: Any, b: Any) -> bool:
+    """Whether two treespecs describe the same tree structure; safe inside a compiled step.
+
+    ``a`` and ``b`` come from :func:`flatten` / :func:`structure` (optree) or both from
+    ``torch.utils._pytree.tree_flatten``. Use this instead of ``a == b`` in code that runs inside a
+    compiled step: on torch 2.10-2.12 dynamo replaces optree's treespec with a dataclass holding each
+    node's unflatten function, and its ``==`` fails ("Polyfill handler <method-wrapper '__eq__' of
+    function object> does not have a traceable function"). While compiling, the two specs are walked
+    node by node instead: node type, keys, leaf counts, the node's data (dict keys, a struct's static
+    fields; functions by identity, as Python compares them), ``None`` handling and namespace. Eagerly
+    this is the libraries' own ``==``.
+
+    Example:
+        >>> same_structure(structure({"w": torch.ones(1)}), structure({"w": torch.zeros(3)}))
+        True
+        >>> same_structure(structure({"w": 1}), structure({"b": 1}))
+        False
+    """
+    if not torch.compiler.is_compiling():
+        return bool(a == b)
+    return _same_nodes(a, b)
+
+
+def _same_nodes(a: Any, b: Any) -> bool:
+    """The node-by-node comparison behind :func:`same_structure`, written for dynamo to trace."""
+    if a.type is not b.type or a.num_leaves != b.num_leaves or a.num_nodes != b.num_nodes:
+        return False
+    torch_a, torch_b = isinstance(a, torch_pytree.TreeSpec), isinstance(b, torch_pytree.TreeSpec)
+    if torch_a or torch_b:
+        if not (torch_a and torch_b) or not _same_value(a.context, b.context):
+            return False
+    else:
+        if a.none_is_leaf != b.none_is_leaf or a.namespace != b.namespace or a.entries() != b.entries():
+            return False
+        # Dynamo's stand-in for optree's spec keeps the node's data (dict keys, static fields) here.
+        if not _same_value(getattr(a, "_metadata", None), getattr(b, "_metadata", None)):
+            return False
+    a_children, b_children = a.children(), b.children()
+    if len(a_children) != len(b_children):
+        return False
+    return all(_same_nodes(x, y) for x, y in zip(a_children, b_children))
+
+
+_FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial)
+
+
+def _same_value(x: Any, y: Any) -> bool:
+    """``x == y`` for a node's data, with functions compared as Python does (by identity) without calling
+    their ``==``, which dynamo cannot trace."""
+    # Sequences first: torch 2.10's dynamo cannot trace ``is`` between two tuples.
+    if (isinstance(x, tuple) and isinstance(y, tuple)) or (isinstance(x, list) and isinstance(y, list)):
+        if len(x) != len(y):
+            return False
+        return all(_same_value(u, v) for u, v in zip(x, y))
+    if x is y:
+        return True
+    if isinstance(x, types.MethodType) and isinstance(y, types.MethodType):
+        return x.__func__ is y.__func__ and x.__self__ is y.__self__
+    if isinstance(x, _FUNCTIONS) or isinstance(y, _FUNCTIONS):
+        return False
+    return bool(x == y)
 
 
 def path_str(path: Sequence[Any]) -> str:

@@ -9,6 +9,7 @@ from models import SmallCNN, TinyTransformer, classification_batch, mlp
 
 import functrain as ft
 from functrain import tree
+from functrain.jit import torch_version
 
 # fallback_random makes inductor draw dropout masks with the same kernels as eager, so the two runs can
 # be compared step by step (by default compiled and eager randomness differ by design).
@@ -115,8 +116,17 @@ def test_mlp_one_compile_schedule_and_hand_set_hyperparameter_pure():
         torch.testing.assert_close(c_state.params[k], e_state.params[k], rtol=1e-3, atol=1e-5)
 
 
+# torch 2.10-2.12: a compiled torch.func.grad through two dropouts draws other masks than eager even with
+# fallback_random=True (reproduced with torch.compile alone, without functrain); 2.13 matches eager.
+_EAGER_MASKS_BEFORE_2_13 = pytest.mark.xfail(
+    torch_version() < (2, 13),
+    reason="torch < 2.13: fallback_random masks differ under torch.func.grad",
+    strict=True,
+)
+
+
 @pytest.mark.compile
-@pytest.mark.parametrize("which", ["cnn", "transformer"])
+@pytest.mark.parametrize("which", ["cnn", pytest.param("transformer", marks=_EAGER_MASKS_BEFORE_2_13)])
 def test_compiled_matches_eager_trajectory(which):
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)

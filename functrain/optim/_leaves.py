@@ -23,7 +23,7 @@ def flatten_matching(
     others = []
     for state_tree in state_trees:
         state_leaves, state_spec = tree.flatten(state_tree)
-        if state_spec != spec:
+        if not tree.same_structure(state_spec, spec):
             raise ValueError(
                 f"{who}: the updates do not match the optimizer state made by init(params): "
                 f"{describe_mismatch(updates, state_tree)}. Call init with the same params tree the "

@@ -172,7 +172,7 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     """
     param_leaves, spec = tree.flatten(params)
     update_leaves, update_spec = tree.flatten(updates)
-    if update_spec != spec:
+    if not tree.same_structure(update_spec, spec):
         raise ValueError(
             "apply_updates: updates and params have different structures: "
             f"{describe_mismatch(updates, params, 'updates', 'params')}"

@@ -133,7 +133,7 @@ def _run_groups(
     param_leaves = None
     if params is not None:
         param_leaves, param_spec = tree.flatten(params)
-        if param_spec != spec:
+        if not tree.same_structure(param_spec, spec):
             raise ValueError(
                 f"{who}: updates and params differ: {describe_mismatch(updates, params, 'updates', 'params')}"
             )

@@ -1,0 +1,161 @@
+"""The declared torch range (pyproject's ``torch>=``) against the version workarounds, and the pieces
+that make a compiled step trace on every supported torch (CI runs this file on the oldest and newest)."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+import torch
+import torch.utils._pytree as torch_pytree
+
+from functrain import tree
+from functrain.jit import TORCH_WORKAROUNDS, torch_version
+
+# The module, not the function `functrain.jit` that the package exports under the same name.
+jit_module = importlib.import_module("functrain.jit")
+
+
+def declared_floor() -> tuple[int, int]:
+    """The ``(major, minor)`` of pyproject.toml's ``torch>=X.Y`` requirement."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    (requirement,) = [r for r in project["dependencies"] if re.match(r"torch\s*[<>=!~]", r)]
+    match = re.fullmatch(r"torch\s*>=\s*(\d+)\.(\d+)(\.\d+)?", requirement.strip())
+    assert match, f"pyproject.toml: expected torch>=X.Y, got {requirement!r}"
+    return int(match.group(1)), int(match.group(2))
+
+
+def test_no_workaround_is_left_for_versions_below_the_floor():
+    floor = declared_floor()
+    for workaround in TORCH_WORKAROUNDS:
+        assert workaround.first <= workaround.last, workaround
+        assert workaround.last >= floor, (
+            f"{workaround.where}: the workaround for torch {workaround.first}-{workaround.last} is older "
+            f"than the declared floor torch>={floor}; remove it ({workaround.remove})"
+        )
+        assert workaround.symptom and workaround.remove
+
+
+def test_ci_and_nox_test_the_declared_floor():
+    root = Path(__file__).parents[1]
+    ci_floor = re.search(r"^FLOOR=(\S+)", (root / ".ci" / "run").read_text(), re.MULTILINE)
+    nox_versions = re.search(r"^TORCH_VERSIONS = \[(.*)\]", (root / "noxfile.py").read_text(), re.MULTILINE)
+    assert ci_floor and nox_versions
+    oldest_in_nox = re.findall(r"[\d.]+", nox_versions.group(1))[-1]
+    assert torch_version(ci_floor.group(1)) == declared_floor() == torch_version(oldest_in_nox)
+
+
+def test_installed_torch_is_inside_the_declared_range():
+    assert torch_version() >= declared_floor()
+
+
+def test_torch_version_reads_release_local_and_dev_builds():
+    assert torch_version("2.11.0+cu130") == (2, 11)
+    assert torch_version("2.13.0") == (2, 13)
+    assert torch_version("2.12.0a0+git1234") == (2, 12)
+    with pytest.raises(ValueError, match="torch version"):
+        torch_version("nightly")
+
+
+_OFF = {"loop_ordering_after_fusion": False}
+
+
+@pytest.mark.parametrize(
+    ("version", "expected"), [((2, 10), _OFF), ((2, 11), _OFF), ((2, 12), {}), ((2, 13), {})]
+)
+def test_loop_ordering_after_fusion_is_off_only_on_torch_2_10_and_2_11(version, expected):
+    assert jit_module._workaround_options(version) == expected
+
+
+def _patches_seen_by_inductor(monkeypatch, version, device, options=None):
+    """The config_patches jit's backend hands to inductor for a one-op graph on ``device``."""
+    seen = {}
+
+    def fake_compile_fx(gm, example_inputs, config_patches=None, **kwargs):
+        seen.update(config_patches or {})
+        return gm
+
+    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", fake_compile_fx)
+    monkeypatch.setattr(jit_module, "torch_version", lambda: version)
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    x = torch.ones(2, device="meta") if device == "meta" else torch.ones(2)
+    step = jit_module.CompiledStep(lambda s, x: (s, x), options=options)
+    step._backend(gm, [x], config=dict(options or {}))
+    return seen
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_jit_applies_the_workaround_by_version_and_options_win(monkeypatch, device):
+    assert _patches_seen_by_inductor(monkeypatch, (2, 11), device)["loop_ordering_after_fusion"] is False
+    assert "loop_ordering_after_fusion" not in _patches_seen_by_inductor(monkeypatch, (2, 12), device)
+    mine = _patches_seen_by_inductor(
+        monkeypatch, (2, 11), device, options={"loop_ordering_after_fusion": True}
+    )
+    assert mine["loop_ordering_after_fusion"] is True
+
+
+# ------------------------------------------------------------------------------------ same_structure
+
+
+@tree.struct
+class _Node:
+    x: torch.Tensor
+    fn: object = tree.field(static=True, default=None)
+    name: str = tree.field(static=True, default="a")
+
+
+_Pair = namedtuple("_Pair", "a b")
+
+
+def _first(x):
+    return x
+
+
+def _second(x):
+    return x
+
+
+def _pairs(x):
+    """Tree pairs with the same and with different structures (keys, containers, static fields, None)."""
+    return [
+        ({"w": x, "b": (x, x)}, {"w": x * 2, "b": (x, x)}),
+        ({"w": x, "b": (x, x)}, {"w": x, "c": (x, x)}),
+        ({"w": x, "b": (x, x)}, {"w": x, "b": [x, x]}),
+        ({"w": x, "b": (x, x)}, {"w": x, "b": (x, x, x)}),
+        (_Node(x, _first), _Node(x + 1, _first)),
+        (_Node(x, _first), _Node(x, _second)),
+        (_Node(x, _first, "a"), _Node(x, _first, "b")),
+        (_Pair(x, x), (x, x)),
+        ({"w": x, "n": None}, {"w": x, "n": x}),
+        ((x, {"a": x}), (x, {"a": x})),
+    ]
+
+
+def _compare_all(x):
+    optree_results = [tree.same_structure(tree.structure(a), tree.structure(b)) for a, b in _pairs(x)]
+    torch_results = [
+        tree.same_structure(torch_pytree.tree_flatten(a)[1], torch_pytree.tree_flatten(b)[1])
+        for a, b in _pairs(x)
+    ]
+    return x + 1, optree_results, torch_results
+
+
+def test_same_structure_is_the_libraries_equality_eagerly():
+    _, optree_results, torch_results = _compare_all(torch.ones(2))
+    assert optree_results == [tree.structure(a) == tree.structure(b) for a, b in _pairs(torch.ones(2))]
+    assert optree_results == [True, False, False, False, True, False, False, False, False, True]
+    # torch's pytree treats None as a leaf: {"n": None} and {"n": x} have the same structure there.
+    assert torch_results == [True, False, False, False, True, False, False, False, True, True]
+
+
+@pytest.mark.compile
+def test_same_structure_traces_and_agrees_with_eager():
+    # optree's `spec != other` inside a compiled step fails on torch 2.10-2.12 ("Polyfill handler
+    # <method-wrapper '__eq__' of function object> does not have a traceable function").
+    x = torch.ones(2)
+    compiled = torch.compile(_compare_all, fullgraph=True, backend="eager")(x)
+    assert compiled[1:] == _compare_all(x)[1:]
