@@ -16,6 +16,7 @@ from functrain import callbacks, checkpoint, data, logging, metrics, optim, prec
 from functrain.config import ConfigError, TrainerConfig
 from functrain.jit import CompiledStep, DonatedStateError, GraphBreakError, RecompileError, jit
 from functrain.loop import FitResult, evaluate, fit, predict
+from functrain.remat import remat
 from functrain.state import TrainState
 from functrain.step import (
     make_eval_step,
@@ -56,6 +57,7 @@ __all__ = [
     "precision",
     "predict",
     "random",
+    "remat",
     "supervised_loss",
     "tree",
 ]

@@ -24,6 +24,7 @@ import torch.utils._pytree as torch_pytree
 
 from functrain import random
 from functrain.distributed.env import rank as distributed_rank
+from functrain.remat import routed_checkpoint
 
 __all__ = ["CompiledStep", "DonatedStateError", "GraphBreakError", "RecompileError", "jit"]
 
@@ -277,7 +278,8 @@ class CompiledStep:
         if limit < needed:
             dynamo_config.recompile_limit = needed
         try:
-            out = self._compiled(state, *args, **kwargs)
+            with routed_checkpoint(getattr(self.fn, "model", None)):  # torch.utils.checkpoint -> remat
+                out = self._compiled(state, *args, **kwargs)
         except RecompileError:
             raise
         except torch._dynamo.exc.BackendCompilerFailed as e:
