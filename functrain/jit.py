@@ -24,6 +24,7 @@ import torch.utils._pytree as torch_pytree
 
 from functrain import random
 from functrain.distributed.env import rank as distributed_rank
+from functrain.quiet_logging import ignored_logging
 from functrain.remat import routed_checkpoint
 
 __all__ = ["CompiledStep", "DonatedStateError", "GraphBreakError", "RecompileError", "jit"]
@@ -278,7 +279,8 @@ class CompiledStep:
         if limit < needed:
             dynamo_config.recompile_limit = needed
         try:
-            with routed_checkpoint(getattr(self.fn, "model", None)):  # torch.utils.checkpoint -> remat
+            # torch.utils.checkpoint -> remat; logger calls in the model are no-ops, not graph breaks.
+            with routed_checkpoint(getattr(self.fn, "model", None)), ignored_logging():
                 out = self._compiled(state, *args, **kwargs)
         except RecompileError:
             raise
