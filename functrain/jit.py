@@ -24,8 +24,8 @@ import torch.utils._pytree as torch_pytree
 
 from functrain import random
 from functrain.distributed.env import rank as distributed_rank
-from functrain.quiet_logging import ignored_logging
-from functrain.remat import routed_checkpoint
+from functrain.remat import RematRandomnessError
+from functrain.traceable import traceable
 
 __all__ = ["CompiledStep", "DonatedStateError", "GraphBreakError", "RecompileError", "jit"]
 
@@ -279,14 +279,13 @@ class CompiledStep:
         if limit < needed:
             dynamo_config.recompile_limit = needed
         try:
-            # torch.utils.checkpoint -> remat; logger calls in the model are no-ops, not graph breaks.
-            with routed_checkpoint(getattr(self.fn, "model", None)), ignored_logging():
+            with traceable(getattr(self.fn, "model", None)):  # checkpoint, RNNs, logging in the model
                 out = self._compiled(state, *args, **kwargs)
         except RecompileError:
             raise
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = e.__cause__ or getattr(e, "inner_exception", None)
-            if isinstance(inner, RecompileError):
+            if isinstance(inner, (RecompileError, RematRandomnessError)):
                 raise inner from None
             raise
         except torch._dynamo.exc.Unsupported as e:

@@ -34,7 +34,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Remat", "checkpoint", "remat", "routed_checkpoint"]
+__all__ = ["Remat", "RematRandomnessError", "checkpoint", "remat", "routed_checkpoint"]
 
 _TORCH_CHECKPOINT = torch_checkpoint.checkpoint
 
@@ -121,6 +121,12 @@ def _is_traced(tensors: list[torch.Tensor]) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ remat
+
+
+def _describe(fn: Any) -> str:
+    if getattr(fn, "__name__", "") == "run_with_interpreter":  # dynamo's checkpoint operator
+        return "a rematerialised block (ft.remat or torch.utils.checkpoint)"
+    return f"remat({fn!r})"
 
 
 def _modules_of(fn: Any, seen: set[int] | None = None) -> list[nn.Module]:
@@ -228,7 +234,7 @@ def _apply(
         for x in out_leaves:
             if not isinstance(x, torch.Tensor):
                 raise TypeError(
-                    f"remat({block.fn!r}): the block must return tensors (or tuples/lists/dicts of "
+                    f"{_describe(block.fn)}: the block must return tensors (or tuples/lists/dicts of "
                     f"tensors), got a {type(x).__name__} among its outputs"
                 )
         return tuple(out_leaves)
@@ -246,7 +252,7 @@ def _apply(
             out = _Recompute.apply(run, rng, *diff_tensors)
         if detector.seen is not None:
             raise RematRandomnessError(
-                f"remat({block.fn!r}) draws random numbers ({detector.seen}, e.g. dropout in training "
+                f"{_describe(block.fn)} draws random numbers ({detector.seen}, e.g. dropout in training "
                 "mode) inside a compiled step, where its recomputation cannot replay the same draws. "
                 "Move the dropout outside the rematerialised block, set its probability to 0, or run "
                 "the step eagerly (ft.jit(step, compile=False)), where remat replays the generator state."
