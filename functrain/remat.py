@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -37,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = ["Remat", "RematRandomnessError", "checkpoint", "remat", "routed_checkpoint"]
 
 _TORCH_CHECKPOINT = torch_checkpoint.checkpoint
+_ROUTED: weakref.WeakKeyDictionary[nn.Module, tuple[Any, Any]] = weakref.WeakKeyDictionary()
 
 
 class RematRandomnessError(RuntimeError):
@@ -68,10 +70,14 @@ class _Recompute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        tensors = ctx.saved_tensors
+        # Detached: torch.func.grad runs the backward with create_graph=True, which would record the
+        # recomputation (and keep every block's recomputed activations alive until the step's
+        # gradient is complete: no memory saved). functrain takes first-order gradients only.
+        tensors = [t.detach() for t in ctx.saved_tensors]
+        grads = tuple(g.detach() for g in grads)
         with _restored_rng(ctx.rng), torch.enable_grad():
             _, vjp_fn = torch.func.vjp(ctx.run, *tensors)
-        return (None, None, *vjp_fn(tuple(grads)))
+            return (None, None, *vjp_fn(grads))
 
 
 class _RngState:
@@ -357,7 +363,11 @@ def routed_checkpoint(model: Any = None) -> Iterator[None]:
             bound = _torch_checkpoint_kwargs(original)
             if bound is not None:
                 patched.append((module, original))
-                module._gradient_checkpointing_func = functools.partial(checkpoint, **bound)
+                # The same object every call: dynamo guards on its identity (a new one would recompile).
+                cached = _ROUTED.get(module)
+                if cached is None or cached[0] is not original:
+                    cached = _ROUTED[module] = (original, functools.partial(checkpoint, **bound))
+                module._gradient_checkpointing_func = cached[1]
     torch_checkpoint.checkpoint = checkpoint
     try:
         yield

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -32,6 +33,7 @@ from torch.nn.utils.rnn import PackedSequence
 __all__ = ["functional_rnns", "rnn_forward"]
 
 _RECURRENT = (nn.RNN, nn.GRU, nn.LSTM)
+_FORWARDS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 
 Cell = Callable[[torch.Tensor, Any, dict[str, Any]], tuple[torch.Tensor, Any]]
 
@@ -180,7 +182,10 @@ def functional_rnns(model: Any) -> Iterator[None]:
     config = torch._dynamo.config
     allow = config.allow_rnn
     for m in modules:
-        m.forward = functools.partial(rnn_forward, m)
+        # The same object every call: dynamo guards on its identity (a new one would recompile).
+        if m not in _FORWARDS:
+            _FORWARDS[m] = functools.partial(rnn_forward, m)
+        m.forward = _FORWARDS[m]
     config.allow_rnn = True
     try:
         yield

@@ -83,7 +83,8 @@ def _one_step(model: nn.Module, compile: bool = False, seed: int = 0) -> dict[st
     g = torch.Generator().manual_seed(1)
     batch = (torch.randn(6, 8, generator=g, dtype=torch.float64), torch.randint(0, 3, (6,), generator=g))
     new, _ = step(state, batch)
-    if compile:
+    if compile:  # a second call must not recompile (the routing reuses the same objects)
+        step(state, batch)
         assert step.num_compiles == 1
     return new.params
 
@@ -156,12 +157,23 @@ def test_routing_is_undone_on_error() -> None:
     assert torch.utils.checkpoint.checkpoint is original
 
 
+def _hf_model_with_checkpointing() -> nn.Module:
+    model = _model(HFStyleModel)
+    model.gradient_checkpointing_enable({"use_reentrant": False})
+    return model
+
+
 @pytest.mark.compile
 @pytest.mark.slow
 def test_compiled_recompute_matches_eager_plain() -> None:
-    reference = _one_step(_model(Net, "plain"))
-    for how in ("remat", "nonreentrant"):
-        params = _one_step(_model(Net, how), compile=True)
+    plain = _one_step(_model(Net, "plain"))
+    hf_plain = _one_step(_model(HFStyleModel))
+    for model, reference in [
+        (_model(Net, "remat"), plain),
+        (_model(Net, "reentrant"), plain),
+        (_hf_model_with_checkpointing(), hf_plain),
+    ]:
+        params = _one_step(model, compile=True)
         for name in reference:
             torch.testing.assert_close(params[name], reference[name], rtol=1e-12, atol=1e-12)
 
