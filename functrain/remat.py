@@ -115,9 +115,25 @@ class _RandomOps(TorchDispatchMode):
         self.seen: str | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if self.seen is None and torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+        kwargs = kwargs or {}
+        if self.seen is None and _draws(func, args, kwargs):
             self.seen = str(func)
-        return func(*args, **(kwargs or {}))
+        return func(*args, **kwargs)
+
+
+def _draws(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether an operator call draws random numbers: tagged as seeded, and not with a dropout
+    probability of 0 (attention kernels such as CPU flash attention carry the tag for their
+    ``dropout_p`` even when it is 0)."""
+    if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
+        return False
+    schema = func._schema.arguments
+    values = {a.name: a.default_value for a in schema if a.has_default_value()}  # dispatch drops defaults
+    values |= dict(zip((a.name for a in schema), args)) | kwargs
+    for name in ("dropout_p", "p"):
+        if name in values and isinstance(values[name], (int, float)):
+            return values[name] != 0 and values.get("train", True) is not False
+    return True
 
 
 def _is_traced(tensors: list[torch.Tensor]) -> bool:

@@ -183,3 +183,20 @@ def test_compiled_recompute_matches_eager_plain() -> None:
 def test_compiled_remat_refuses_dropout_in_block() -> None:
     with pytest.raises(RematRandomnessError, match="outside the rematerialised block"):
         _one_step(_model(Net, "remat", 0.5), compile=True)
+
+
+def test_randomness_detector_ignores_zero_dropout_attention() -> None:
+    # CPU flash attention is tagged as seeded for its dropout_p: with p=0 it draws nothing, and a
+    # compiled remat block with attention must not be refused for it.
+    from functrain.remat import _RandomOps
+
+    q = torch.randn(1, 2, 4, 8)
+    quiet = _RandomOps()
+    with quiet:
+        nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.0, is_causal=True)
+        nn.functional.dropout(q, 0.5, training=False)
+    assert quiet.seen is None
+    drawing = _RandomOps()
+    with drawing:
+        nn.functional.dropout(q, 0.5, training=True)
+    assert drawing.seen is not None
