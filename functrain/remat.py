@@ -38,6 +38,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = ["Remat", "RematRandomnessError", "checkpoint", "remat", "routed_checkpoint"]
 
 _TORCH_CHECKPOINT = torch_checkpoint.checkpoint
+# What torch.func.grad says about torch's checkpoint: non-reentrant, reentrant.
+_UNROUTED_CHECKPOINT = ("don't yet support saved tensor hooks", "must override the setup_context")
 _ROUTED: weakref.WeakKeyDictionary[nn.Module, tuple[Any, Any]] = weakref.WeakKeyDictionary()
 
 
@@ -387,6 +389,15 @@ def routed_checkpoint(model: Any = None) -> Iterator[None]:
     torch_checkpoint.checkpoint = checkpoint
     try:
         yield
+    except RuntimeError as e:
+        if not any(sign in str(e) for sign in _UNROUTED_CHECKPOINT):
+            raise
+        raise RuntimeError(
+            "the model calls torch.utils.checkpoint through a reference functrain cannot route (e.g. "
+            "`from torch.utils.checkpoint import checkpoint` at import time), and torch's checkpoint "
+            f"cannot run under torch.func.grad ({str(e).splitlines()[0]}). Wrap the block with "
+            "ft.remat(block) instead, or call it as torch.utils.checkpoint.checkpoint(...)."
+        ) from e
     finally:
         torch_checkpoint.checkpoint = _TORCH_CHECKPOINT
         for module, original in patched:

@@ -200,3 +200,16 @@ def test_randomness_detector_ignores_zero_dropout_attention() -> None:
     with drawing:
         nn.functional.dropout(q, 0.5, training=True)
     assert drawing.seen is not None
+
+
+def test_unroutable_checkpoint_reference_is_refused_naming_remat() -> None:
+    captured = torch.utils.checkpoint.checkpoint  # what `from torch.utils.checkpoint import checkpoint` holds
+
+    class Captured(Net):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = captured(block, x, use_reentrant=False)
+            return self.head(x)
+
+    with pytest.raises(RuntimeError, match=r"ft\.remat\(block\)"):
+        _one_step(_model(Captured))
