@@ -146,6 +146,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args, args.child, args.params_path)))
         return
+    torch.set_num_threads(args.threads)  # what the children run with (reported in the header)
     args.forward = [
         f"--layers={args.layers}", f"--d={args.d}", f"--heads={args.heads}", f"--seq={args.seq}",
         f"--batch={args.batch}", f"--vocab={args.vocab}", f"--steps={args.steps}",

@@ -172,11 +172,19 @@ def _modules_of(fn: Any, seen: set[int] | None = None) -> list[nn.Module]:
     if isinstance(owner, nn.Module):
         return _modules_of(owner, seen)
     found = []
-    for cell in getattr(fn, "__closure__", None) or ():
+    for name, cell in zip(getattr(getattr(fn, "__code__", None), "co_freevars", ()), fn.__closure__ or ()):
         try:
             value = cell.cell_contents
         except ValueError:  # an empty cell
             continue
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            # functional_call cannot swap a captured tensor for the state's, and torch.func would give
+            # it a zero gradient without a word.
+            raise TypeError(
+                f"remat({fn!r}): the function's closure holds the tensor {name!r}; a rematerialised "
+                "function must receive its tensors as arguments or read them from modules. Pass it as "
+                "an argument (remat(fn)(x, w)) or keep it in a module."
+            )
         if isinstance(value, nn.Module) or callable(value):
             found += _modules_of(value, seen)
     return found
@@ -201,6 +209,16 @@ class Remat:
             raise TypeError(f"remat needs a module or a function, got {type(fn).__name__}")
         self.fn = fn
         self.preserve_rng_state = preserve_rng_state
+        # A partial's bound arguments become inputs (Hugging Face binds a layer's keyword arguments,
+        # tensors among them, in one): tensors closed over would get no gradient.
+        self._call, self._args, self._kwargs = fn, (), {}
+        while isinstance(self._call, functools.partial):
+            p = self._call
+            self._call, self._args, self._kwargs = (
+                p.func,
+                (*p.args, *self._args),
+                {**p.keywords, **self._kwargs},
+            )
         self._holder = _Holder(_modules_of(fn))
         functools.update_wrapper(self, fn, updated=())
 
@@ -223,7 +241,7 @@ class Remat:
         ):
             names.append(name)
             tensors.append(t)
-        return _apply(self, tuple(names), tuple(tensors), args, kwargs)
+        return _apply(self, tuple(names), tuple(tensors), (*self._args, *args), {**self._kwargs, **kwargs})
 
     def __repr__(self) -> str:
         return f"remat({self.fn!r})"
@@ -250,7 +268,7 @@ def _apply(
         a, kw = torch_pytree.tree_unflatten(values[n_held:], spec)
         state = dict(zip(names, values[:n_held]))
         out = torch.func.functional_call(
-            block._holder, state, (block.fn, a, kw), tie_weights=True, strict=False
+            block._holder, state, (block._call, a, kw), tie_weights=True, strict=False
         )
         out_leaves, o_spec = torch_pytree.tree_flatten(out)
         if not out_spec:

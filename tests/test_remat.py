@@ -51,6 +51,12 @@ class HFStyleLayer(Block):
 
     gradient_checkpointing = False
 
+    def forward(
+        self, x: torch.Tensor, scale: float = 1.0, context: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        out = super().forward(x, scale)
+        return out if context is None else out * context
+
     def __call__(self, *args: object, **kwargs: object) -> torch.Tensor:
         if self.gradient_checkpointing and self.training:
             return self._gradient_checkpointing_func(functools.partial(super().__call__, **kwargs), *args)
@@ -61,6 +67,7 @@ class HFStyleModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.layers = nn.ModuleList(HFStyleLayer() for _ in range(3))
+        self.context = nn.Linear(8, 8)  # its gradient flows only through the layers' keyword arguments
         self.head = nn.Linear(8, 3)
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
@@ -71,8 +78,9 @@ class HFStyleModel(nn.Module):
             layer._gradient_checkpointing_func = func
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        context = torch.sigmoid(self.context(x))
         for layer in self.layers:
-            x = layer(x, scale=0.5)
+            x = layer(x, scale=0.5, context=context)
         return self.head(x)
 
 
@@ -213,3 +221,9 @@ def test_unroutable_checkpoint_reference_is_refused_naming_remat() -> None:
 
     with pytest.raises(RuntimeError, match=r"ft\.remat\(block\)"):
         _one_step(_model(Captured))
+
+
+def test_tensor_captured_in_closure_is_refused() -> None:
+    w = torch.randn(8, 8)
+    with pytest.raises(TypeError, match="closure holds the tensor 'w'"):
+        ft.remat(lambda x: x @ w)
