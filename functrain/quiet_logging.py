@@ -26,16 +26,23 @@ import torch._dynamo
 __all__ = ["ignored_logging", "logging_methods"]
 
 _EMITTING = ("debug", "info", "warning", "warn", "error", "exception", "critical", "fatal", "log")
+_PREFIXES = tuple(f"{m}_" for m in _EMITTING)
+_FOUND: list[Any] = []  # [number of logging.Logger attributes, the methods found]
 
 
 def logging_methods() -> set[Any]:
     """``logging.Logger``'s emitting methods, with those libraries add in the same style
     (``warning_once``, ``info_once``, ``warning_advice``: names that start with an emitting one and ``_``).
     """
-    found = set()
-    for name, value in vars(logging.Logger).items():
-        if callable(value) and (name in _EMITTING or name.startswith(tuple(f"{m}_" for m in _EMITTING))):
-            found.add(value)
+    names = vars(logging.Logger)
+    if _FOUND and _FOUND[0] == len(names):  # runs before every step call: reuse unless methods were added
+        return _FOUND[1]
+    found = {
+        value
+        for name, value in names.items()
+        if callable(value) and (name in _EMITTING or name.startswith(_PREFIXES))
+    }
+    _FOUND[:] = [len(names), found]
     return found
 
 

@@ -374,6 +374,21 @@ def _torch_checkpoint_kwargs(fn: Any) -> dict[str, Any] | None:
     return None
 
 
+_LAYERS: weakref.WeakKeyDictionary[nn.Module, list[nn.Module]] = weakref.WeakKeyDictionary()
+
+
+def _checkpointing_layers(model: nn.Module) -> list[nn.Module]:
+    """The submodules that can switch gradient checkpointing on (transformers' layers have a
+    ``gradient_checkpointing`` flag); found once per model: this runs before every step call."""
+    if model not in _LAYERS:
+        _LAYERS[model] = [
+            m
+            for m in model.modules()
+            if hasattr(m, "gradient_checkpointing") or "_gradient_checkpointing_func" in m.__dict__
+        ]
+    return _LAYERS[model]
+
+
 @contextlib.contextmanager
 def routed_checkpoint(model: Any = None) -> Iterator[None]:
     """Route ``torch.utils.checkpoint.checkpoint`` to :func:`checkpoint` while the block runs.
@@ -394,7 +409,7 @@ def routed_checkpoint(model: Any = None) -> Iterator[None]:
         return
     patched: list[tuple[nn.Module, Any]] = []
     if isinstance(model, nn.Module):
-        for module in model.modules():
+        for module in _checkpointing_layers(model):
             original = module.__dict__.get("_gradient_checkpointing_func")
             bound = _torch_checkpoint_kwargs(original)
             if bound is not None:

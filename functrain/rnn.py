@@ -164,18 +164,27 @@ def rnn_forward(module: nn.RNNBase, input: torch.Tensor, hx: Any = None) -> tupl
     return output, hidden
 
 
+_FOUND: weakref.WeakKeyDictionary[nn.Module, list[nn.Module]] = weakref.WeakKeyDictionary()
+
+
+def _recurrent_modules(model: nn.Module) -> list[nn.Module]:
+    # Found once per model (this runs before every step call; walking a large model costs ~0.1 ms).
+    if model not in _FOUND:
+        _FOUND[model] = [m for m in model.modules() if isinstance(m, _RECURRENT)]
+    return _FOUND[model]
+
+
 @contextlib.contextmanager
 def functional_rnns(model: Any) -> Iterator[None]:
     """Run every ``nn.RNN``/``nn.GRU``/``nn.LSTM`` of ``model`` through :func:`rnn_forward` while the block
-    runs (and let dynamo trace them: ``torch._dynamo.config.allow_rnn``); restored on exit.
+    runs (and let dynamo trace them: ``torch._dynamo.config.allow_rnn``); restored on exit. The
+    recurrent modules are found on the first call for a model: add none to it afterwards.
 
     Example:
         >>> with functional_rnns(model):
         ...     out = model(x)
     """
-    modules = (
-        [m for m in model.modules() if isinstance(m, _RECURRENT)] if isinstance(model, nn.Module) else []
-    )
+    modules = _recurrent_modules(model) if isinstance(model, nn.Module) else []
     if not modules or all(isinstance(m.__dict__.get("forward"), functools.partial) for m in modules):
         yield  # nothing to route, or already routed (nested steps)
         return
