@@ -80,6 +80,7 @@ def main() -> None:
     if args.child is not None:
         print(json.dumps(child(args.child, args.steps)))
         return
+    torch.set_num_threads(1)  # what the children run with (reported in the header)
     rows = []
     for seq in args.seqs:
         with tempfile.TemporaryDirectory() as cache:
