@@ -279,7 +279,8 @@ class CompiledStep:
         if limit < needed:
             dynamo_config.recompile_limit = needed
         try:
-            with traceable(getattr(self.fn, "model", None)):  # checkpoint, RNNs, logging in the model
+            # The model's torch.utils.checkpoint, RNNs and log calls, made traceable (functrain.traceable).
+            with traceable(getattr(self.fn, "model", None), compiled=self.compile):
                 out = self._compiled(state, *args, **kwargs)
         except RecompileError:
             raise

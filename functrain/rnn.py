@@ -4,8 +4,8 @@ Dynamo refuses to trace torch's recurrent modules ("Dynamo does not support RNN,
 with ``torch._dynamo.config.allow_rnn`` their fused kernel fails under ``torch.func`` ("Cannot access
 storage of TensorWrapper"). :func:`rnn_forward` computes the same thing from the module's own weights
 (same layout, same gate equations as torch's): one matmul for the input projection of every time step,
-then a Python loop over time steps. Inside functrain's steps, :func:`functional_rnns` swaps it in for
-every recurrent module of the model, eager and compiled.
+then a Python loop over time steps. While a compiled ``ft.jit`` step runs, :func:`functional_rnns`
+swaps it in for every recurrent module of the model (eager steps keep torch's kernel).
 
 The loop is unrolled when compiled: compile time grows with the sequence length (measured in
 benchmarks/README.md), run time does not change.

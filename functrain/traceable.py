@@ -2,7 +2,8 @@
 
 - ``torch.utils.checkpoint`` is routed to :mod:`functrain.remat` (torch's needs saved-tensor hooks or
   an ``autograd.Function`` without ``setup_context``, neither of which ``torch.func.grad`` runs);
-- ``nn.RNN``/``nn.GRU``/``nn.LSTM`` run as tensor loops (:mod:`functrain.rnn`; dynamo refuses torch's);
+- ``nn.RNN``/``nn.GRU``/``nn.LSTM`` run as tensor loops when compiled (:mod:`functrain.rnn`; dynamo
+  refuses torch's);
 - ``logging.Logger`` calls are skipped by dynamo instead of breaking the graph
   (:mod:`functrain.quiet_logging`).
 
@@ -27,7 +28,12 @@ __all__ = ["traceable"]
 
 
 @contextlib.contextmanager
-def traceable(model: Any) -> Iterator[None]:
-    """Apply the three changes above to ``model`` (an ``nn.Module``; anything else: logging only)."""
-    with routed_checkpoint(model), functional_rnns(model), ignored_logging():
+def traceable(model: Any, *, compiled: bool = True) -> Iterator[None]:
+    """Apply the three changes above to ``model`` (an ``nn.Module``; anything else: logging only).
+
+    With ``compiled=False`` (an eager step) recurrent modules keep torch's kernel, which
+    ``torch.func.grad`` runs (and cuDNN's is much faster than a loop).
+    """
+    rnns = functional_rnns(model) if compiled else contextlib.nullcontext()
+    with routed_checkpoint(model), rnns, ignored_logging():
         yield

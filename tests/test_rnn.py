@@ -135,3 +135,13 @@ def test_compiled_step_trains_rnn_like_eager_torch(cls: type[nn.RNNBase]) -> Non
     assert compiled.num_compiles == 1
     for name in ref.params:
         torch.testing.assert_close(out.params[name], ref.params[name], rtol=1e-5, atol=1e-5)
+
+
+def test_eager_steps_keep_torch_kernel() -> None:
+    from functrain.traceable import traceable
+
+    model = SequenceClassifier()
+    with traceable(model, compiled=False):
+        assert "forward" not in model.rnn.__dict__
+    with traceable(model):
+        assert "forward" in model.rnn.__dict__
