@@ -309,7 +309,9 @@ def remat(fn: Any, *, preserve_rng_state: bool = True) -> Any:
     """Recompute a module's (or function's) activations in the backward pass instead of keeping them.
 
     Only the block's inputs are kept for the backward pass, which runs the block again: less memory
-    for one more forward of the block. Gradients are exactly those without remat.
+    for one more forward of the block. Gradients are exactly those without remat (first order only:
+    the recomputation is not differentiated again, so ``torch.func.hessian`` through a block is not
+    supported).
 
     - A **module** is changed in place and returned: its ``forward`` becomes rematerialised, while its
       parameters, names, ``state_dict`` and hooks stay as they were, so
