@@ -172,7 +172,9 @@ def _modules_of(fn: Any, seen: set[int] | None = None) -> list[nn.Module]:
     if isinstance(owner, nn.Module):
         return _modules_of(owner, seen)
     found = []
-    for name, cell in zip(getattr(getattr(fn, "__code__", None), "co_freevars", ()), fn.__closure__ or ()):
+    for name, cell in zip(
+        getattr(getattr(fn, "__code__", None), "co_freevars", ()), getattr(fn, "__closure__", None) or ()
+    ):
         try:
             value = cell.cell_contents
         except ValueError:  # an empty cell

@@ -227,3 +227,23 @@ def test_tensor_captured_in_closure_is_refused() -> None:
     w = torch.randn(8, 8)
     with pytest.raises(TypeError, match="closure holds the tensor 'w'"):
         ft.remat(lambda x: x @ w)
+
+
+def test_function_closing_over_classes_and_modules() -> None:
+    # A closure may hold classes and other callables (dynamo's checkpoint operator closes over
+    # torch.fx.Interpreter): only modules are collected, and their parameters get their gradients.
+    interpreter = torch.fx.Interpreter
+    outer = nn.ModuleDict({"block": _model(Block)})
+    rematerialised = ft.remat(lambda x: outer["block"](x) if interpreter else x)
+    x = torch.randn(2, 8, dtype=torch.float64)
+    params = {k: v.detach() for k, v in outer.named_parameters()}
+
+    def loss(p: dict, fn: object) -> torch.Tensor:
+        with torch.nn.utils.stateless._reparametrize_module(outer, p):
+            return fn(x).sum()  # type: ignore[operator]
+
+    expected = torch.func.grad(loss)(params, outer["block"])
+    got = torch.func.grad(loss)(params, rematerialised)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
