@@ -45,6 +45,7 @@ _LAZY: dict[str, str] = {
     ),
     **dict.fromkeys(("FitResult", "RunFinishedWarning", "evaluate", "fit", "predict"), "functrain.loop"),
     **dict.fromkeys(("ModelSummary", "summary"), "functrain.model_summary"),
+    "remat": "functrain.remat",
     "TrainState": "functrain.state",
     **dict.fromkeys(
         ("make_eval_step", "make_predict_step", "make_train_step", "supervised_loss"), "functrain.step"
@@ -85,6 +86,7 @@ __all__ = [
     "precision",
     "predict",
     "random",
+    "remat",
     "summary",
     "supervised_loss",
     "tree",
@@ -111,6 +113,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
     from functrain.jit import CompiledStep, DonatedStateError, GraphBreakError, RecompileError, jit
     from functrain.loop import FitResult, RunFinishedWarning, evaluate, fit, predict
     from functrain.model_summary import ModelSummary, summary
+    from functrain.remat import remat
     from functrain.state import TrainState
     from functrain.step import make_eval_step, make_predict_step, make_train_step, supervised_loss
     from functrain.tasks import ImageClassificationTrainer, SegmentationTrainer

@@ -26,6 +26,8 @@ import torch.utils._pytree as torch_pytree
 
 from functrain import random, tree
 from functrain.distributed.env import rank as distributed_rank
+from functrain.remat import RematRandomnessError
+from functrain.traceable import traceable
 
 __all__ = ["CompiledStep", "DonatedStateError", "GraphBreakError", "RecompileError", "jit"]
 
@@ -350,12 +352,14 @@ class CompiledStep:
         if limit < needed:
             dynamo_config.recompile_limit = needed
         try:
-            out = self._compiled(state, *args, **kwargs)
+            # The model's torch.utils.checkpoint, RNNs and log calls, made traceable (functrain.traceable).
+            with traceable(getattr(self.fn, "model", None), compiled=self.compile):
+                out = self._compiled(state, *args, **kwargs)
         except RecompileError:
             raise
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = e.__cause__ or getattr(e, "inner_exception", None)
-            if isinstance(inner, RecompileError):
+            if isinstance(inner, (RecompileError, RematRandomnessError)):
                 raise inner from None
             raise
         except torch._dynamo.exc.Unsupported as e:

@@ -38,6 +38,7 @@ from torch.func import functional_call, grad_and_value
 from functrain import tree
 from functrain.optim import all_finite, apply_updates
 from functrain.precision import autocast_dtype
+from functrain.remat import routed_checkpoint
 
 __all__ = [
     "LossFn",
@@ -196,6 +197,14 @@ def _device_of(params: Mapping[str, torch.Tensor]) -> torch.device:
     return torch.device("cpu")
 
 
+def _checkpoint_routing(model: nn.Module | ApplyFn) -> contextlib.AbstractContextManager[Any]:
+    # torch.utils.checkpoint cannot run under torch.func.grad; route it to functrain.remat. Under
+    # torch.compile the routing is done outside the traced code, by jit (dynamo must see it at trace time).
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return routed_checkpoint(model)
+
+
 # ------------------------------------------------------------------------------------------ train
 
 
@@ -273,7 +282,8 @@ def make_train_step(
         preds, targets = [], []
         for mb in micro:
             weight = num_examples(mb) / total if accumulate > 1 else 1.0
-            g, (_, (mb_loss, aux, buffers)) = grad_fn(state.params, buffers, mb, scale)
+            with _checkpoint_routing(model):
+                g, (_, (mb_loss, aux, buffers)) = grad_fn(state.params, buffers, mb, scale)
             if accumulate > 1:
                 g = tree.map(lambda x, w=weight: x * w, g)
             grads = g if grads is None else tree.map(torch.add, grads, g)

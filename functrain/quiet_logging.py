@@ -1,0 +1,70 @@
+"""Log calls inside a compiled step: ignored by dynamo instead of breaking the one graph.
+
+Models log from ``forward`` (Hugging Face's ``logger.warning_once(...)`` about a default loss type, a
+deprecated argument, ...). Dynamo refuses any ``logging.Logger`` method that is not listed in
+``torch._dynamo.config.ignore_logging_functions`` (a set of callables; ``logging.Logger.<method>``
+covers every logger, on torch 2.11 and 2.13 alike), so under ``fullgraph=True`` one log call fails the
+whole step. :func:`ignored_logging` adds the logger's emitting methods to that set while functrain's
+step compiles and runs, and takes them out again after: code compiled outside functrain is unaffected.
+The calls then do nothing inside the compiled graph; an eager step (``jit(..., compile=False)``) logs.
+
+Example:
+    >>> with ignored_logging():
+    ...     out = compiled_step(state, batch)  # a logger.warning(...) in the model is skipped
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch._dynamo
+
+__all__ = ["ignored_logging", "logging_methods"]
+
+_EMITTING = ("debug", "info", "warning", "warn", "error", "exception", "critical", "fatal", "log")
+_PREFIXES = tuple(f"{m}_" for m in _EMITTING)
+_FOUND: list[Any] = []  # [number of logging.Logger attributes, the methods found]
+
+
+def logging_methods() -> set[Any]:
+    """``logging.Logger``'s emitting methods, with those libraries add in the same style
+    (``warning_once``, ``info_once``, ``warning_advice``: names that start with an emitting one and ``_``).
+    """
+    names = vars(logging.Logger)
+    if _FOUND and _FOUND[0] == len(names):  # runs before every step call: reuse unless methods were added
+        return _FOUND[1]
+    found = {
+        value
+        for name, value in names.items()
+        if callable(value) and (name in _EMITTING or name.startswith(_PREFIXES))
+    }
+    _FOUND[:] = [len(names), found]
+    return found
+
+
+def _ignore_set() -> set[Any] | None:
+    config = torch._dynamo.config
+    for name in ("ignore_logging_functions", "ignore_logger_methods"):  # the older name on torch < 2.10
+        value = getattr(config, name, None)
+        if isinstance(value, set):
+            return value
+    return None
+
+
+@contextlib.contextmanager
+def ignored_logging() -> Iterator[None]:
+    """Let dynamo skip ``logging.Logger`` calls while the block runs (see the module docstring)."""
+    ignored = _ignore_set()
+    if ignored is None:  # a torch without the setting: nothing to do
+        yield
+        return
+    added = logging_methods() - ignored
+    ignored |= added
+    try:
+        yield
+    finally:
+        ignored -= added

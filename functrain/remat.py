@@ -1,0 +1,441 @@
+"""Activation recompute (rematerialisation) that works inside functrain's steps, eager and compiled.
+
+``remat(block)`` runs ``block`` without keeping its intermediate activations and recomputes them in
+the backward pass: a transformer's activation memory drops from every layer's intermediates to each
+layer's input. ``torch.utils.checkpoint`` does the same for plain autograd but cannot run under
+``torch.func.grad`` (the step's backward): the non-reentrant variant needs saved-tensor hooks, which
+``torch.func`` disables, and the reentrant one is an ``autograd.Function`` without ``setup_context``.
+``remat`` is an ``autograd.Function`` with ``setup_context`` and a generated vmap rule, whose backward
+re-runs the block under ``torch.func.vjp``. Under ``torch.compile`` dynamo turns the block into its
+activation-checkpoint operator, whose implementation (run when AOTAutograd traces the step) calls
+``torch.utils.checkpoint.checkpoint``, routed back here: the recomputation lands in the one graph.
+
+Inside a functrain step, ``torch.utils.checkpoint.checkpoint`` calls are routed here (see
+:func:`routed_checkpoint`), including Hugging Face's ``gradient_checkpointing_enable()``.
+
+Example:
+    >>> import torch, functrain as ft
+    >>> blocks = torch.nn.Sequential(*(ft.remat(torch.nn.Linear(8, 8)) for _ in range(4)))
+    >>> blocks(torch.randn(2, 8)).shape  # each Linear's activations are recomputed in the backward
+    torch.Size([2, 8])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.utils._pytree as torch_pytree
+import torch.utils.checkpoint as torch_checkpoint
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["Remat", "RematRandomnessError", "checkpoint", "remat", "routed_checkpoint"]
+
+_TORCH_CHECKPOINT = torch_checkpoint.checkpoint
+# What torch.func.grad says about torch's checkpoint: non-reentrant, reentrant.
+_UNROUTED_CHECKPOINT = ("don't yet support saved tensor hooks", "must override the setup_context")
+_ROUTED: weakref.WeakKeyDictionary[nn.Module, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+
+
+class RematRandomnessError(RuntimeError):
+    """A rematerialised block draws random numbers inside a compiled step (see :func:`remat`)."""
+
+
+# ------------------------------------------------------------------------------------------ the function
+
+
+class _Recompute(torch.autograd.Function):
+    """``forward(run, rng, *tensors) = run(*tensors)``; the backward re-runs ``run`` under ``vjp``.
+
+    Only the inputs are saved. ``setup_context`` and ``generate_vmap_rule`` make it usable under
+    ``torch.func`` transforms (the step's ``grad_and_value``).
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(run: Callable[..., tuple[torch.Tensor, ...]], rng: Any, *tensors: torch.Tensor) -> Any:
+        return run(*tensors)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        run, rng, *tensors = inputs
+        ctx.run = run
+        ctx.rng = rng
+        ctx.save_for_backward(*tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        # Detached: torch.func.grad runs the backward with create_graph=True, which would record the
+        # recomputation (and keep every block's recomputed activations alive until the step's
+        # gradient is complete: no memory saved). functrain takes first-order gradients only.
+        tensors = [t.detach() for t in ctx.saved_tensors]
+        grads = tuple(g.detach() for g in grads)
+        with _restored_rng(ctx.rng), torch.enable_grad():
+            _, vjp_fn = torch.func.vjp(ctx.run, *tensors)
+            return (None, None, *vjp_fn(grads))
+
+
+class _RngState:
+    """The generator states at a block's forward. A plain object, not a pytree: ``torch.func`` must
+    not wrap the state tensors it holds as inputs of the custom Function."""
+
+    def __init__(self, device: torch.device | None) -> None:
+        self.cpu = torch.get_rng_state()
+        self.device = None
+        if device is not None and device.type not in ("cpu", "meta"):
+            backend = getattr(torch, device.type, None)
+            if backend is not None and hasattr(backend, "get_rng_state"):
+                self.device = (device, backend.get_rng_state(device))
+
+
+@contextlib.contextmanager
+def _restored_rng(state: _RngState | None) -> Iterator[None]:
+    if state is None:
+        yield
+        return
+    devices = [state.device[0]] if state.device is not None else []
+    with torch.random.fork_rng(devices=devices, device_type=devices[0].type if devices else "cuda"):
+        torch.set_rng_state(state.cpu)
+        if state.device is not None:
+            device, device_state = state.device
+            getattr(torch, device.type).set_rng_state(device_state, device)
+        yield
+
+
+class _RandomOps(TorchDispatchMode):
+    """Records whether any operator that draws random numbers runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: str | None = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if self.seen is None and _draws(func, args, kwargs):
+            self.seen = str(func)
+        return func(*args, **kwargs)
+
+
+def _draws(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether an operator call draws random numbers: tagged as seeded, and not with a dropout
+    probability of 0 (attention kernels such as CPU flash attention carry the tag for their
+    ``dropout_p`` even when it is 0)."""
+    if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
+        return False
+    schema = func._schema.arguments
+    values = {a.name: a.default_value for a in schema if a.has_default_value()}  # dispatch drops defaults
+    values |= dict(zip((a.name for a in schema), args)) | kwargs
+    for name in ("dropout_p", "p"):
+        if name in values and isinstance(values[name], (int, float)):
+            return values[name] != 0 and values.get("train", True) is not False
+    return True
+
+
+def _is_traced(tensors: list[torch.Tensor]) -> bool:
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode(tuple(tensors)) is not None
+
+
+# ------------------------------------------------------------------------------------------ remat
+
+
+def _describe(fn: Any) -> str:
+    if getattr(fn, "__name__", "") == "run_with_interpreter":  # dynamo's checkpoint operator
+        return "a rematerialised block (ft.remat or torch.utils.checkpoint)"
+    return f"remat({fn!r})"
+
+
+def _modules_of(fn: Any, seen: set[int] | None = None) -> list[nn.Module]:
+    """The modules whose tensors ``fn`` reads: itself, a bound method's owner, a partial's function and
+    arguments, or modules captured in a closure."""
+    seen = set() if seen is None else seen
+    if id(fn) in seen:
+        return []
+    seen.add(id(fn))
+    if isinstance(fn, nn.Module):
+        return [fn]
+    if isinstance(fn, functools.partial):
+        found = _modules_of(fn.func, seen)
+        for x in itertools.chain(fn.args, fn.keywords.values()):
+            if isinstance(x, nn.Module):
+                found += _modules_of(x, seen)
+        return found
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, nn.Module):
+        return _modules_of(owner, seen)
+    found = []
+    for name, cell in zip(
+        getattr(getattr(fn, "__code__", None), "co_freevars", ()), getattr(fn, "__closure__", None) or ()
+    ):
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            # functional_call cannot swap a captured tensor for the state's, and torch.func would give
+            # it a zero gradient without a word.
+            raise TypeError(
+                f"remat({fn!r}): the function's closure holds the tensor {name!r}; a rematerialised "
+                "function must receive its tensors as arguments or read them from modules. Pass it as "
+                "an argument (remat(fn)(x, w)) or keep it in a module."
+            )
+        if isinstance(value, nn.Module) or callable(value):
+            found += _modules_of(value, seen)
+    return found
+
+
+class _Holder(nn.Module):
+    """Holds the modules a function reads, so ``functional_call`` can swap all their tensors at once."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        super().__init__()
+        self.held = nn.ModuleList(modules)
+
+    def forward(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        return fn(*args, **kwargs)
+
+
+class Remat:
+    """A function (or module) whose activations are recomputed in the backward pass; see :func:`remat`."""
+
+    def __init__(self, fn: Callable[..., Any], *, preserve_rng_state: bool = True) -> None:
+        if not callable(fn):
+            raise TypeError(f"remat needs a module or a function, got {type(fn).__name__}")
+        self.fn = fn
+        self.preserve_rng_state = preserve_rng_state
+        # A partial's bound arguments become inputs (Hugging Face binds a layer's keyword arguments,
+        # tensors among them, in one): tensors closed over would get no gradient.
+        self._call, self._args, self._kwargs = fn, (), {}
+        while isinstance(self._call, functools.partial):
+            p = self._call
+            self._call, self._args, self._kwargs = (
+                p.func,
+                (*p.args, *self._args),
+                {**p.keywords, **self._kwargs},
+            )
+        self._holder = _Holder(_modules_of(fn))
+        functools.update_wrapper(self, fn, updated=())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            # Dynamo turns this call into its activation-checkpoint operator, whose implementation
+            # calls torch.utils.checkpoint.checkpoint when AOTAutograd traces it: inside functrain's
+            # steps that is routed back here (routed_checkpoint), outside it is torch's checkpoint.
+            return torch_checkpoint.checkpoint(
+                self.fn, *args, use_reentrant=False, preserve_rng_state=self.preserve_rng_state, **kwargs
+            )
+        return self.recompute(*args, **kwargs)
+
+    def recompute(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the block through the recomputing Function (what ``__call__`` does outside dynamo)."""
+        names, tensors = [], []
+        for name, t in itertools.chain(
+            self._holder.named_parameters(remove_duplicate=True),
+            self._holder.named_buffers(remove_duplicate=True),
+        ):
+            names.append(name)
+            tensors.append(t)
+        return _apply(self, tuple(names), tuple(tensors), (*self._args, *args), {**self._kwargs, **kwargs})
+
+    def __repr__(self) -> str:
+        return f"remat({self.fn!r})"
+
+
+def _apply(
+    block: Remat, names: tuple[str, ...], tensors: tuple[torch.Tensor, ...], args: Any, kwargs: Any
+) -> Any:
+    # Under torch.compile this runs while AOTAutograd traces the step (see Remat.__call__), with traced
+    # tensors: the custom Function's backward (the recomputation) lands in the step's graph like the
+    # rest of the gradient computation.
+    leaves, spec = torch_pytree.tree_flatten((args, kwargs))
+    inputs = [*tensors, *leaves]
+    # Differentiated inputs: floating-point tensors. The rest (token ids, masks, Python values) is
+    # closed over.
+    diff = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    n_held = len(tensors)
+    out_spec: list[Any] = []
+
+    def run(*diff_tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        values = list(inputs)
+        for i, t in zip(diff, diff_tensors):
+            values[i] = t
+        a, kw = torch_pytree.tree_unflatten(values[n_held:], spec)
+        state = dict(zip(names, values[:n_held]))
+        out = torch.func.functional_call(
+            block._holder, state, (block._call, a, kw), tie_weights=True, strict=False
+        )
+        out_leaves, o_spec = torch_pytree.tree_flatten(out)
+        if not out_spec:
+            out_spec.append(o_spec)
+        for x in out_leaves:
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(
+                    f"{_describe(block.fn)}: the block must return tensors (or tuples/lists/dicts of "
+                    f"tensors), got a {type(x).__name__} among its outputs"
+                )
+        return tuple(out_leaves)
+
+    diff_tensors = [inputs[i] for i in diff]
+    traced = _is_traced(diff_tensors)
+    device = next((t.device for t in diff_tensors), None)
+    rng = _RngState(device) if block.preserve_rng_state and not traced else None
+    if traced:
+        # Under compile the recomputation is traced once and the generator state restored at trace
+        # time would not reach the graph: a dropout mask redrawn in the backward would differ from the
+        # forward's, and the gradient would be silently wrong. Refuse instead.
+        detector = _RandomOps()
+        with detector:
+            out = _Recompute.apply(run, rng, *diff_tensors)
+        if detector.seen is not None:
+            raise RematRandomnessError(
+                f"{_describe(block.fn)} draws random numbers ({detector.seen}, e.g. dropout in training "
+                "mode) inside a compiled step, where its recomputation cannot replay the same draws. "
+                "Move the dropout outside the rematerialised block, set its probability to 0, or run "
+                "the step eagerly (ft.jit(step, compile=False)), where remat replays the generator state."
+            )
+    else:
+        out = _Recompute.apply(run, rng, *diff_tensors)
+    out = out if isinstance(out, tuple) else (out,)
+    return torch_pytree.tree_unflatten(list(out), out_spec[0])
+
+
+def remat(fn: Any, *, preserve_rng_state: bool = True) -> Any:
+    """Recompute a module's (or function's) activations in the backward pass instead of keeping them.
+
+    Only the block's inputs are kept for the backward pass, which runs the block again: less memory
+    for one more forward of the block. Gradients are exactly those without remat (first order only:
+    the recomputation is not differentiated again, so ``torch.func.hessian`` through a block is not
+    supported).
+
+    - A **module** is changed in place and returned: its ``forward`` becomes rematerialised, while its
+      parameters, names, ``state_dict`` and hooks stay as they were, so
+      ``nn.ModuleList(remat(Block()) for _ in range(12))`` just works.
+    - A **function** (a bound method or ``functools.partial`` of a module's, or a function whose
+      closure holds the modules it uses) is wrapped: ``remat(fn)(*args)``.
+
+    Inside a step (``torch.func.functional_call``) those modules' tensors are the state's. The block's
+    outputs must be tensors (or tuples/lists/dicts of them).
+
+    Randomness: eagerly, the generator state is saved and replayed (``preserve_rng_state``), so dropout
+    draws the same masks in the recomputation. Under ``torch.compile`` that replay cannot reach the
+    graph, so a block that draws random numbers in a compiled step raises :class:`RematRandomnessError`
+    (keep dropout outside the block, or use it eagerly). Blocks that update buffers in training
+    (BatchNorm) would update them twice: do not rematerialise them.
+
+    Example:
+        >>> blocks = torch.nn.ModuleList(remat(torch.nn.Linear(8, 8)) for _ in range(4))
+        >>> blocks[0](torch.randn(2, 8)).shape
+        torch.Size([2, 8])
+    """
+    if isinstance(fn, nn.Module):
+        if not isinstance(fn.__dict__.get("forward"), Remat):
+            fn.forward = Remat(fn.forward, preserve_rng_state=preserve_rng_state)
+        return fn
+    return Remat(fn, preserve_rng_state=preserve_rng_state)
+
+
+def checkpoint(
+    function: Callable[..., Any],
+    *args: Any,
+    use_reentrant: bool | None = None,
+    context_fn: Any = None,
+    determinism_check: Any = None,
+    debug: bool = False,
+    early_stop: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """A drop-in for ``torch.utils.checkpoint.checkpoint`` that works inside functrain's steps.
+
+    Both variants (``use_reentrant`` true or false) recompute the whole block (``remat(function)``);
+    ``context_fn`` (selective checkpointing policies), ``determinism_check``, ``debug`` and
+    ``early_stop`` are accepted and ignored.
+
+    Example:
+        >>> layer = torch.nn.Linear(4, 4)
+        >>> checkpoint(layer, torch.randn(2, 4), use_reentrant=False).shape
+        torch.Size([2, 4])
+    """
+    preserve = kwargs.pop("preserve_rng_state", True)
+    # Not Remat.__call__: under torch.compile this runs while AOTAutograd traces dynamo's checkpoint
+    # operator, where the compiling flag is still set.
+    return Remat(function, preserve_rng_state=preserve).recompute(*args, **kwargs)
+
+
+def _torch_checkpoint_kwargs(fn: Any) -> dict[str, Any] | None:
+    """The keyword arguments of ``fn`` if it is torch's checkpoint or a ``partial`` of it, else None."""
+    if fn is _TORCH_CHECKPOINT:
+        return {}
+    if isinstance(fn, functools.partial) and fn.func is _TORCH_CHECKPOINT and not fn.args:
+        return dict(fn.keywords)
+    return None
+
+
+_LAYERS: weakref.WeakKeyDictionary[nn.Module, list[nn.Module]] = weakref.WeakKeyDictionary()
+
+
+def _checkpointing_layers(model: nn.Module) -> list[nn.Module]:
+    """The submodules that can switch gradient checkpointing on (transformers' layers have a
+    ``gradient_checkpointing`` flag); found once per model: this runs before every step call."""
+    if model not in _LAYERS:
+        _LAYERS[model] = [
+            m
+            for m in model.modules()
+            if hasattr(m, "gradient_checkpointing") or "_gradient_checkpointing_func" in m.__dict__
+        ]
+    return _LAYERS[model]
+
+
+@contextlib.contextmanager
+def routed_checkpoint(model: Any = None) -> Iterator[None]:
+    """Route ``torch.utils.checkpoint.checkpoint`` to :func:`checkpoint` while the block runs.
+
+    Two places are patched, and restored on exit: the module attribute
+    ``torch.utils.checkpoint.checkpoint`` (code that calls it by that name, and the implementation
+    ``torch.compile`` runs for it), and Hugging Face's per-layer ``_gradient_checkpointing_func``
+    (set by ``model.gradient_checkpointing_enable()``) on ``model``'s submodules. A reference to torch's
+    function taken earlier (``from torch.utils.checkpoint import checkpoint`` at import time) is not
+    reached: call it through the module, or use :func:`remat`.
+
+    Example:
+        >>> with routed_checkpoint(model):
+        ...     loss = model(x).sum()
+    """
+    if torch_checkpoint.checkpoint is not _TORCH_CHECKPOINT:  # already routed (nested steps)
+        yield
+        return
+    patched: list[tuple[nn.Module, Any]] = []
+    if isinstance(model, nn.Module):
+        for module in _checkpointing_layers(model):
+            original = module.__dict__.get("_gradient_checkpointing_func")
+            bound = _torch_checkpoint_kwargs(original)
+            if bound is not None:
+                patched.append((module, original))
+                # The same object every call: dynamo guards on its identity (a new one would recompile).
+                cached = _ROUTED.get(module)
+                if cached is None or cached[0] is not original:
+                    cached = _ROUTED[module] = (original, functools.partial(checkpoint, **bound))
+                module._gradient_checkpointing_func = cached[1]
+    torch_checkpoint.checkpoint = checkpoint
+    try:
+        yield
+    except RuntimeError as e:
+        if not any(sign in str(e) for sign in _UNROUTED_CHECKPOINT):
+            raise
+        raise RuntimeError(
+            "the model calls torch.utils.checkpoint through a reference functrain cannot route (e.g. "
+            "`from torch.utils.checkpoint import checkpoint` at import time), and torch's checkpoint "
+            f"cannot run under torch.func.grad ({str(e).splitlines()[0]}). Wrap the block with "
+            "ft.remat(block) instead, or call it as torch.utils.checkpoint.checkpoint(...)."
+        ) from e
+    finally:
+        torch_checkpoint.checkpoint = _TORCH_CHECKPOINT
+        for module, original in patched:
+            module._gradient_checkpointing_func = original

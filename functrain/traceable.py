@@ -1,0 +1,39 @@
+"""What functrain changes in a user's model while ``jit`` runs a step, so the step traces as one graph.
+
+- ``torch.utils.checkpoint`` is routed to :mod:`functrain.remat` (torch's needs saved-tensor hooks or
+  an ``autograd.Function`` without ``setup_context``, neither of which ``torch.func.grad`` runs);
+- ``nn.RNN``/``nn.GRU``/``nn.LSTM`` run as tensor loops when compiled (:mod:`functrain.rnn`; dynamo
+  refuses torch's);
+- ``logging.Logger`` calls are skipped by dynamo instead of breaking the graph
+  (:mod:`functrain.quiet_logging`).
+
+Everything is restored when the call returns.
+
+Example:
+    >>> with traceable(model):
+    ...     state, metrics = compiled_train_step(state, batch)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from functrain.quiet_logging import ignored_logging
+from functrain.remat import routed_checkpoint
+from functrain.rnn import functional_rnns
+
+__all__ = ["traceable"]
+
+
+@contextlib.contextmanager
+def traceable(model: Any, *, compiled: bool = True) -> Iterator[None]:
+    """Apply the three changes above to ``model`` (an ``nn.Module``; anything else: logging only).
+
+    With ``compiled=False`` (an eager step) recurrent modules keep torch's kernel, which
+    ``torch.func.grad`` runs (and cuDNN's is much faster than a loop).
+    """
+    rnns = functional_rnns(model) if compiled else contextlib.nullcontext()
+    with routed_checkpoint(model), rnns, ignored_logging():
+        yield

@@ -1,0 +1,249 @@
+"""Activation recompute: ft.remat and torch.utils.checkpoint inside functrain's steps (functrain.remat)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+import functrain as ft
+from functrain.remat import RematRandomnessError, routed_checkpoint
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 8, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return x + scale * self.drop(self.down(torch.tanh(self.up(self.norm(x)))))
+
+
+class Net(nn.Module):
+    """``how``: plain, remat (ft.remat on each block), reentrant / nonreentrant (torch.utils.checkpoint)."""
+
+    def __init__(self, how: str = "plain", dropout: float = 0.0) -> None:
+        super().__init__()
+        self.how = how
+        self.blocks = nn.ModuleList(Block(dropout=dropout) for _ in range(3))
+        self.head = nn.Linear(8, 3)
+        if how == "remat":
+            for block in self.blocks:
+                ft.remat(block)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            if self.how in ("reentrant", "nonreentrant"):
+                x = torch.utils.checkpoint.checkpoint(block, x, 0.5, use_reentrant=self.how == "reentrant")
+            else:
+                x = block(x, 0.5)
+        return self.head(x)
+
+
+class HFStyleLayer(Block):
+    """transformers' GradientCheckpointingLayer: calls ``self._gradient_checkpointing_func`` when on."""
+
+    gradient_checkpointing = False
+
+    def forward(
+        self, x: torch.Tensor, scale: float = 1.0, context: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        out = super().forward(x, scale)
+        return out if context is None else out * context
+
+    def __call__(self, *args: object, **kwargs: object) -> torch.Tensor:
+        if self.gradient_checkpointing and self.training:
+            return self._gradient_checkpointing_func(functools.partial(super().__call__, **kwargs), *args)
+        return super().__call__(*args, **kwargs)
+
+
+class HFStyleModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(HFStyleLayer() for _ in range(3))
+        self.context = nn.Linear(8, 8)  # its gradient flows only through the layers' keyword arguments
+        self.head = nn.Linear(8, 3)
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
+        # What transformers' PreTrainedModel.gradient_checkpointing_enable does.
+        func = functools.partial(torch.utils.checkpoint.checkpoint, **(gradient_checkpointing_kwargs or {}))
+        for layer in self.layers:
+            layer.gradient_checkpointing = True
+            layer._gradient_checkpointing_func = func
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        context = torch.sigmoid(self.context(x))
+        for layer in self.layers:
+            x = layer(x, scale=0.5, context=context)
+        return self.head(x)
+
+
+def _one_step(model: nn.Module, compile: bool = False, seed: int = 0) -> dict[str, torch.Tensor]:
+    """New params after one SGD(lr=1) step: ``params - grads``, so equal params mean equal gradients."""
+    state = ft.TrainState.create(model, ft.optim.sgd(1.0), seed=seed)
+    step = ft.jit(ft.make_train_step(model, ft.supervised_loss(nn.functional.cross_entropy)), compile=compile)
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(6, 8, generator=g, dtype=torch.float64), torch.randint(0, 3, (6,), generator=g))
+    new, _ = step(state, batch)
+    if compile:  # a second call must not recompile (the routing reuses the same objects)
+        step(state, batch)
+        assert step.num_compiles == 1
+    return new.params
+
+
+def _model(cls: type[nn.Module], *args: object) -> nn.Module:
+    torch.manual_seed(0)
+    return cls(*args).double()
+
+
+@pytest.mark.parametrize("how", ["remat", "reentrant", "nonreentrant"])
+def test_recomputed_gradients_equal_plain_ones_eager(how: str) -> None:
+    reference = _one_step(_model(Net, "plain"))
+    params = _one_step(_model(Net, how))
+    assert params.keys() == reference.keys()
+    for name in reference:
+        assert torch.equal(params[name], reference[name]), name
+
+
+def test_torch_checkpoint_fails_under_torch_func_without_routing() -> None:
+    # The failure the routing fixes (so this test fails if torch ever supports it natively: then the
+    # routing can go).
+    model = _model(Net, "nonreentrant")
+    params = dict(model.named_parameters())
+
+    def loss(p: dict, x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(model, p, (x,)).sum()
+
+    with pytest.raises(RuntimeError, match="saved tensor hooks"):
+        torch.func.grad(loss)(params, torch.randn(2, 8, dtype=torch.float64))
+
+
+def test_hf_gradient_checkpointing_is_routed_and_restored() -> None:
+    reference = _one_step(_model(HFStyleModel))
+    model = _model(HFStyleModel)
+    model.gradient_checkpointing_enable({"use_reentrant": True})
+    original = model.layers[0]._gradient_checkpointing_func
+    params = _one_step(model)
+    for name in reference:
+        assert torch.equal(params[name], reference[name]), name
+    assert model.layers[0]._gradient_checkpointing_func is original
+    assert torch.utils.checkpoint.checkpoint is original.func
+
+
+def test_remat_replays_dropout_masks_eagerly() -> None:
+    # Same seed, same dropout masks: remat's recomputation must draw the forward's masks again.
+    reference = _one_step(_model(Net, "plain", 0.5), seed=3)
+    params = _one_step(_model(Net, "remat", 0.5), seed=3)
+    for name in reference:
+        assert torch.equal(params[name], reference[name]), name
+
+
+def test_remat_module_keeps_names_and_runs_outside_steps() -> None:
+    block = _model(Block)
+    names = [n for n, _ in block.named_parameters()]
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    expected = block(x).sum()
+    (g_ref,) = torch.autograd.grad(expected, x)
+    assert ft.remat(block) is block and ft.remat(block).forward is block.forward  # idempotent
+    assert [n for n, _ in block.named_parameters()] == names
+    out = block(x).sum()
+    (g,) = torch.autograd.grad(out, x)
+    assert torch.equal(out, expected) and torch.equal(g, g_ref)
+
+
+def test_routing_is_undone_on_error() -> None:
+    original = torch.utils.checkpoint.checkpoint
+    with pytest.raises(ZeroDivisionError), routed_checkpoint(_model(HFStyleModel)):
+        assert torch.utils.checkpoint.checkpoint is not original
+        _ = 1 / 0
+    assert torch.utils.checkpoint.checkpoint is original
+
+
+def _hf_model_with_checkpointing() -> nn.Module:
+    model = _model(HFStyleModel)
+    model.gradient_checkpointing_enable({"use_reentrant": False})
+    return model
+
+
+@pytest.mark.compile
+@pytest.mark.slow
+def test_compiled_recompute_matches_eager_plain() -> None:
+    plain = _one_step(_model(Net, "plain"))
+    hf_plain = _one_step(_model(HFStyleModel))
+    for model, reference in [
+        (_model(Net, "remat"), plain),
+        (_model(Net, "reentrant"), plain),
+        (_hf_model_with_checkpointing(), hf_plain),
+    ]:
+        params = _one_step(model, compile=True)
+        for name in reference:
+            torch.testing.assert_close(params[name], reference[name], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.compile
+@pytest.mark.slow
+def test_compiled_remat_refuses_dropout_in_block() -> None:
+    with pytest.raises(RematRandomnessError, match="outside the rematerialised block"):
+        _one_step(_model(Net, "remat", 0.5), compile=True)
+
+
+def test_randomness_detector_ignores_zero_dropout_attention() -> None:
+    # CPU flash attention is tagged as seeded for its dropout_p: with p=0 it draws nothing, and a
+    # compiled remat block with attention must not be refused for it.
+    from functrain.remat import _RandomOps
+
+    q = torch.randn(1, 2, 4, 8)
+    quiet = _RandomOps()
+    with quiet:
+        nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.0, is_causal=True)
+        nn.functional.dropout(q, 0.5, training=False)
+    assert quiet.seen is None
+    drawing = _RandomOps()
+    with drawing:
+        nn.functional.dropout(q, 0.5, training=True)
+    assert drawing.seen is not None
+
+
+def test_unroutable_checkpoint_reference_is_refused_naming_remat() -> None:
+    captured = torch.utils.checkpoint.checkpoint  # what `from torch.utils.checkpoint import checkpoint` holds
+
+    class Captured(Net):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = captured(block, x, use_reentrant=False)
+            return self.head(x)
+
+    with pytest.raises(RuntimeError, match=r"ft\.remat\(block\)"):
+        _one_step(_model(Captured))
+
+
+def test_tensor_captured_in_closure_is_refused() -> None:
+    w = torch.randn(8, 8)
+    with pytest.raises(TypeError, match="closure holds the tensor 'w'"):
+        ft.remat(lambda x: x @ w)
+
+
+def test_function_closing_over_classes_and_modules() -> None:
+    # A closure may hold classes and other callables (dynamo's checkpoint operator closes over
+    # torch.fx.Interpreter): only modules are collected, and their parameters get their gradients.
+    interpreter = torch.fx.Interpreter
+    outer = nn.ModuleDict({"block": _model(Block)})
+    rematerialised = ft.remat(lambda x: outer["block"](x) if interpreter else x)
+    x = torch.randn(2, 8, dtype=torch.float64)
+    params = {k: v.detach() for k, v in outer.named_parameters()}
+
+    def loss(p: dict, fn: object) -> torch.Tensor:
+        with torch.nn.utils.stateless._reparametrize_module(outer, p):
+            return fn(x).sum()  # type: ignore[operator]
+
+    expected = torch.func.grad(loss)(params, outer["block"])
+    got = torch.func.grad(loss)(params, rematerialised)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
