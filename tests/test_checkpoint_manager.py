@@ -195,10 +195,12 @@ def test_reading_a_read_only_folder_with_a_stale_temporary_file(tmp_path, monkey
         assert torch.equal(manager.restore("best")["w"], torch.full((3,), 1.0))
         assert manager.metrics(1) == {"loss": 0.5} and manager.header(2).step == 2
         manager.close()
-        config = types.SimpleNamespace(
-            output_dir=str(tmp_path), checkpoints_dir="run", load_best_model_at_end=False
-        )
-        assert _latest_checkpoint(types.SimpleNamespace(config=config)) == manager.path(2)
+        for best_at_end, expected in ((False, 2), (True, 1)):  # the best by loss (min) is step 1
+            trainer = types.SimpleNamespace(
+                config=types.SimpleNamespace(load_best_model_at_end=best_at_end),
+                checkpoint_manager=lambda: CheckpointManager(folder, best_metric="loss"),
+            )
+            assert _latest_checkpoint(trainer) == manager.path(expected)
         assert CheckpointManager(tmp_path / "missing").latest() is None
         monkeypatch.undo()
     finally:
