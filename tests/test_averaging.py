@@ -227,8 +227,8 @@ def test_ema_compiles_in_the_one_graph_step_without_recompiles():
         torch.testing.assert_close(value, averaging.averaged_params(b)[name], rtol=1e-12, atol=1e-12)
 
 
-def test_trainer_ema_config_trains_evaluates_and_predicts_with_the_average(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+def _ema_trainer(tmp_path, **fields) -> ft.Trainer:
+    """A small eager Trainer (SGD, 6 steps, evaluating by steps) with the given config fields."""
     from trainer_fixtures import SmallNet, make_dataset
 
     cfg = ft.TrainerConfig(
@@ -239,15 +239,16 @@ def test_trainer_ema_config_trains_evaluates_and_predicts_with_the_average(tmp_p
         progress_bar=False,
         print_summary=False,
         eval_strategy="steps",
-        eval_steps=6,
-        save_strategy="no",
         device="cpu",
         optimizer={"name": "sgd", "lr": 0.5},
-        ema=0.8,
+        **fields,
     )
-    trainer = ft.Trainer(
-        SmallNet(), cfg, train_dataset=make_dataset(96), eval_dataset=make_dataset(32, seed=1)
-    )
+    return ft.Trainer(SmallNet(), cfg, train_dataset=make_dataset(96), eval_dataset=make_dataset(32, seed=1))
+
+
+def test_trainer_ema_config_trains_evaluates_and_predicts_with_the_average(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    trainer = _ema_trainer(tmp_path, eval_steps=6, save_strategy="no", ema=0.8)
     result = trainer.train()
     average = averaging.find_average(trainer.state.opt_state)
     assert isinstance(average, averaging.EmaState) and int(average.count) == 6
@@ -266,27 +267,16 @@ def test_trainer_ema_config_trains_evaluates_and_predicts_with_the_average(tmp_p
 
 def test_trainer_load_best_model_at_end_brings_the_best_checkpoints_average(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
-    from trainer_fixtures import SmallNet, make_dataset
+    from trainer_fixtures import SmallNet
 
-    cfg = ft.TrainerConfig(
-        output_dir=str(tmp_path / "run"),
-        max_steps=6,
-        batch_size=16,
-        compile=False,
-        progress_bar=False,
-        print_summary=False,
-        eval_strategy="steps",
+    trainer = _ema_trainer(
+        tmp_path,
         eval_steps=2,
         save_strategy="steps",
         save_steps=2,
         load_best_model_at_end=True,
         best_model_mode="max",  # "best" = highest loss: an early checkpoint, not the final state
-        device="cpu",
-        optimizer={"name": "sgd", "lr": 0.5},
         ema={"decay": 0.5},
-    )
-    trainer = ft.Trainer(
-        SmallNet(), cfg, train_dataset=make_dataset(96), eval_dataset=make_dataset(32, seed=1)
     )
     trainer.train()
     manager = ft.checkpoint.CheckpointManager(tmp_path / "run" / "checkpoints", is_writer=False)
