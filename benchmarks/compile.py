@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's functrain
+# This checkout's functrain, or the one --against names (children get FUNCTRAIN_CHECKOUT).
+sys.path.insert(0, os.environ.get("FUNCTRAIN_CHECKOUT", str(Path(__file__).resolve().parent.parent)))
 import _common as common
 
 import functrain as ft
@@ -107,6 +108,16 @@ def _step_fn(variant: str, layers: int, cache_dir: str | None, jit_kwargs: dict)
     model.train()
     if variant.startswith("ft"):
         state = ft.TrainState.create(model, ft.optim.adamw(common.LR, weight_decay=common.WEIGHT_DECAY))
+        if variant == "ft-trace":  # dynamo's trace alone (and functrain's own work in it): no inductor
+            traced = torch.compile(
+                ft.make_train_step(model, ft.supervised_loss(lm_loss)), fullgraph=True,
+                backend=lambda gm, example_inputs: gm.forward,
+            )  # fmt: skip
+
+            def trace_step() -> None:
+                traced(state, (x, y))
+
+            return trace_step
         kwargs = dict(jit_kwargs)
         if "cache_dir" in inspect.signature(ft.jit).parameters:
             kwargs.setdefault("cache_dir", os.path.join(cache_dir, "functrain"))
@@ -189,14 +200,20 @@ def _top_functions(prof, n: int = 45) -> list[tuple[str, float, float]]:
 
 
 def run_child(
-    variant: str, layers: int, cache_dir: str, jit_kwargs: dict, profile: bool = False, env_cache: str = ""
+    variant: str,
+    layers: int,
+    cache_dir: str,
+    jit_kwargs: dict,
+    profile: bool = False,
+    env_cache: str = "",
+    checkout: str = "",
 ) -> dict:
     env = dict(
         os.environ,
         TORCHINDUCTOR_CACHE_DIR=env_cache or cache_dir,
         TRITON_CACHE_DIR=os.path.join(env_cache or cache_dir, "triton"),
         OMP_NUM_THREADS="1",
-        PYTHONPATH=str(Path(__file__).resolve().parent.parent),
+        FUNCTRAIN_CHECKOUT=checkout or str(Path(__file__).resolve().parent.parent),
     )
     cmd = [sys.executable, __file__, "--child", variant, str(layers), cache_dir, json.dumps(jit_kwargs)]
     if profile:
@@ -207,29 +224,35 @@ def run_child(
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def compile_children(layers: int, variants: list[str], jit_kwargs: dict, profile: bool) -> dict[str, dict]:
+def compile_children(
+    layers: int, variants: list[str], jit_kwargs: dict, profile: bool, against: str | None
+) -> dict[str, dict]:
+    """Every variant in a fresh child; with ``against``, each ft variant right after the same variant
+    of that other checkout (``name (before)``), each with its own caches."""
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="functrain-compile-") as tmp:
-        ft_cache = os.path.join(tmp, "ft")  # ft-cold fills it, ft-warm reuses it
-        portable = os.path.join(tmp, "portable")  # its own empty inductor cache
         for v in variants:
-            fresh = os.path.join(tmp, v)
-            if v == "ft-cold" or v == "ft-warm":
-                r = run_child(v, layers, ft_cache, jit_kwargs, profile)
-            elif v == "ft-portable":
-                # The jit cache_dir (with its portable artifacts) from ft-cold, but inductor's own cache
-                # directory is new and empty: as on another machine of the same kind.
-                r = run_child(v, layers, ft_cache, jit_kwargs, profile, env_cache=portable)
-            else:
-                r = run_child(v, layers, fresh, jit_kwargs, profile)
-            results[v] = r
-            print(
-                f"  layers {layers} {v}: compile {r['compile_s']:.1f} s, step {r['step_ms']:.1f} ms, "
-                f"cache hits fx {r['fx_cache_hits']} aot {r['aot_cache_hits']} (load {common.load_average()})",
-                flush=True,
-            )
-            if profile:
-                _print_profile(r)
+            runs = [("", "")] + ([(" (before)", against)] if against and v.startswith("ft") else [])
+            for suffix, checkout in runs:
+                ft_cache = os.path.join(tmp, "ft" + suffix)  # ft-cold fills it, ft-warm reuses it
+                if v in ("ft-cold", "ft-warm"):
+                    r = run_child(v, layers, ft_cache, jit_kwargs, profile, checkout=checkout)
+                elif v == "ft-portable":
+                    # jit's cache_dir from ft-cold, but an empty inductor cache: another machine.
+                    env_cache = os.path.join(tmp, "portable" + suffix)
+                    r = run_child(v, layers, ft_cache, jit_kwargs, profile, env_cache, checkout)
+                else:
+                    fresh = os.path.join(tmp, v + suffix)
+                    r = run_child(v, layers, fresh, jit_kwargs, profile, checkout=checkout)
+                results[v + suffix] = r
+                print(
+                    f"  layers {layers} {v}{suffix}: compile {r['compile_s']:.1f} s, step {r['step_ms']:.1f} ms, "
+                    f"cache hits fx {r['fx_cache_hits']} aot {r['aot_cache_hits']} "
+                    f"(load {common.load_average()})",
+                    flush=True,
+                )
+                if profile:
+                    _print_profile(r)
     return results
 
 
@@ -316,6 +339,9 @@ def main() -> None:
     p.add_argument("--overhead", action="store_true", help="measure per-call overhead instead")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--calls", type=int, default=200)
+    p.add_argument(
+        "--against", help="another functrain checkout: its ft variants run interleaved (before/after)"
+    )
     p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -337,7 +363,7 @@ def main() -> None:
     table = ["| layers | variant | compile s | step ms | fx/aot cache hits | ft-cold / (model + opt) |",
              "|---:|---|---:|---:|---|---:|"]  # fmt: skip
     for layers in args.layers:
-        res = compile_children(layers, args.variants, jit_kwargs, args.profile)
+        res = compile_children(layers, args.variants, jit_kwargs, args.profile, args.against)
         denom = sum(res[v]["compile_s"] for v in ("torch-model", "torch-opt") if v in res)
         for v, r in res.items():
             ratio = f"{r['compile_s'] / denom:.2f}x" if denom and v.startswith("ft") else ""

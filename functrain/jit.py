@@ -184,32 +184,51 @@ def _cpu_dropout_decompositions() -> dict[Any, Callable[..., Any]]:
 _SCALAR_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 
-def _global_state_guard() -> Any:
-    """Dynamo's own C++ check of global state (grad mode, autocast, default dtype, ...), or None."""
-    cls = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
-    cls = getattr(cls, "GlobalStateGuard", None)
-    return cls() if cls is not None else None
+def _dynamo_guard_types() -> tuple[Any, Any] | None:
+    """Dynamo's C++ checks: ``TensorGuards`` (type, dispatch keys, dtype, device, requires_grad, sizes,
+    strides of many tensors at once) and ``GlobalStateGuard`` (grad mode, autocast, default dtype, ...)."""
+    guards = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
+    tensor_guards = getattr(guards, "TensorGuards", None)
+    global_state = getattr(guards, "GlobalStateGuard", None)
+    return (tensor_guards, global_state) if tensor_guards and global_state else None
 
 
-def _signature(state: Any, args: tuple, kwargs: dict) -> tuple | None:
-    """What the compiled graph was specialised on, cheaply: the tree structure, each tensor's type,
-    shape, strides, dtype, device and requires_grad, which tensors are the same object, and the value of
-    every non-tensor leaf. ``None`` (no fast path) when a leaf is an object whose contents dynamo
-    would guard but this signature cannot see.
-    """
+def _split_inputs(state: Any, args: tuple, kwargs: dict) -> tuple[Any, list[torch.Tensor], tuple] | None:
+    """``(treespec, tensor leaves, non-tensor leaves with their types)`` of a call's inputs, or ``None``
+    (no fast path) when a leaf is an object whose contents dynamo would guard but this cannot see."""
     leaves, spec = optree.tree_flatten((state, args, kwargs), none_is_leaf=True, namespace=NAMESPACE)
-    sig: list[Any] = [spec]
-    ids = set()
-    for x in leaves:
-        if isinstance(x, torch.Tensor):
-            sig.append((type(x), x.shape, x.stride(), x.dtype, x.device, x.requires_grad))
-            ids.add(id(x))
-        elif type(x) in _SCALAR_TYPES:
-            sig.append((type(x), x))
-        else:
-            return None
-    sig.append(len(ids))  # aliasing: dynamo guards which inputs are the same tensor
-    return tuple(sig)
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    if len(tensors) == len(leaves):
+        return spec, tensors, ()
+    others = tuple((type(x), x) for x in leaves if not isinstance(x, torch.Tensor))
+    if any(t not in _SCALAR_TYPES for t, _ in others):
+        return None
+    return spec, tensors, others
+
+
+class _InputSignature:
+    """What one compiled graph was specialised on, checked cheaply: the tree structure, every tensor's
+    type, dispatch keys, shape, strides, dtype, device and requires_grad, which tensors are the same
+    object, the values of the non-tensor leaves, and global state (grad mode, autocast, ...)."""
+
+    def __init__(self, spec: Any, tensors: list[torch.Tensor], others: tuple, guard_types: Any) -> None:
+        tensor_guards, global_state = guard_types
+        self.spec, self.others, self.num_unique = spec, others, len(set(map(id, tensors)))
+        self.tensors = tensor_guards(
+            *tensors,
+            dynamic_dims_sizes=[list(x.shape) for x in tensors],
+            dynamic_dims_strides=[list(x.stride()) for x in tensors],
+        )
+        self.global_state = global_state()
+
+    def matches(self, spec: Any, tensors: list[torch.Tensor], others: tuple) -> bool:
+        return (
+            spec == self.spec
+            and others == self.others
+            and self.global_state.check()
+            and self.tensors.check(*tensors)
+            and len(set(map(id, tensors))) == self.num_unique  # dynamo guards aliasing between inputs
+        )
 
 
 # ------------------------------------------------------------------------------------------ caches
@@ -309,8 +328,9 @@ class CompiledStep:
         self.compile_seconds = 0.0
         self.cache_dir = os.fspath(cache_dir) if cache_dir is not None else None
         self.guards = guards
-        # Input signatures that passed dynamo's guards, each with the global state it ran under.
-        self._signatures: dict[tuple, Any] = {}
+        # Input signatures that passed dynamo's guards (at most one per compiled graph in practice).
+        self._signatures: list[_InputSignature] = []
+        self._guard_types = _dynamo_guard_types() if guards == "functrain" else None
         self._donated: weakref.WeakSet[Any] = weakref.WeakSet()
         self._warned = False
         functools.update_wrapper(self, fn)
@@ -409,24 +429,23 @@ class CompiledStep:
         return out
 
     def _run(self, state: Any, args: tuple, kwargs: dict) -> Any:
-        """Call the compiled step: on the fast path when the inputs' signature passed dynamo's guards
-        before (and global state is as it was then), else through dynamo's guards, timing a compile."""
+        """Call the compiled step: on the fast path when the inputs match a signature that passed
+        dynamo's guards before, else through dynamo's guards, timing a compile if there is one."""
         if not self.compile:
             return self._compiled(state, *args, **kwargs)
-        signature = _signature(state, args, kwargs) if self.guards == "functrain" else None
-        known = self._signatures.get(signature) if signature is not None else None
-        if known is not None and known.check():
+        split = _split_inputs(state, args, kwargs) if self._guard_types is not None else None
+        if split is not None and any(sig.matches(*split) for sig in self._signatures):
             with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
                 return self._compiled(state, *args, **kwargs)
         if self.cache_dir is not None and self.num_compiles == 0:
             _load_cache_dir(self.cache_dir)
-        global_state = _global_state_guard() if signature is not None else None
+        signature = _InputSignature(*split, self._guard_types) if split is not None else None
         compiles, misses, started = self.num_compiles, _cache_misses(), time.perf_counter()
         out = self._compiled(state, *args, **kwargs)
         if self.num_compiles != compiles:
             self._compiled_in(time.perf_counter() - started, misses)
-        if global_state is not None:
-            self._signatures[signature] = global_state
+        if signature is not None and len(self._signatures) < self.max_compiles:
+            self._signatures.append(signature)  # it passed dynamo's guards
         return out
 
     def _compiled_in(self, seconds: float, misses_before: int) -> None:
