@@ -48,6 +48,7 @@ import _common as common
 import functrain as ft
 
 VOCAB, D_MODEL, HEADS, SEQ, BATCH = 1024, 256, 4, 64, 8
+AGAINST = ("ft-cold", "ft-warm", "ft-trace")  # the variants --against runs from the other checkout too
 
 
 # ------------------------------------------------------------------------------------------ model
@@ -232,7 +233,7 @@ def compile_children(
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="functrain-compile-") as tmp:
         for v in variants:
-            runs = [("", "")] + ([(" (before)", against)] if against and v.startswith("ft") else [])
+            runs = [("", "")] + ([(" (before)", against)] if against and v in AGAINST else [])
             for suffix, checkout in runs:
                 ft_cache = os.path.join(tmp, "ft" + suffix)  # ft-cold fills it, ft-warm reuses it
                 if v in ("ft-cold", "ft-warm"):
@@ -268,10 +269,10 @@ def _print_profile(r: dict) -> None:
 # ------------------------------------------------------------------------------------------ overhead
 
 
-def overhead(repeats: int, calls: int) -> dict[str, tuple[float, float, float]]:
+def overhead(repeats: int, calls: int, depth: int = 16) -> dict[str, tuple[float, float, float]]:
     """Per-call time of the jitted step and of its inductor graph called directly (same flat inputs)."""
     torch.manual_seed(0)
-    width, depth = 8, 16
+    width = 8
     layers: list[nn.Module] = []
     for _ in range(depth):
         layers += [nn.Linear(width, width), nn.ReLU()]
@@ -312,6 +313,12 @@ def overhead(repeats: int, calls: int) -> dict[str, tuple[float, float, float]]:
     def direct_call() -> None:
         graph(*inputs)
 
+    box_raw = [state]
+
+    def raw_call() -> None:
+        box_raw[0], _ = raw(box_raw[0], batch)
+
+    fns["torch.compile'd step (dynamo guards, no functrain)"] = raw_call
     fns["graph called directly"] = direct_call
     for _ in range(20):
         for fn in fns.values():
@@ -338,6 +345,7 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="print compile_times() and a cProfile per child")
     p.add_argument("--overhead", action="store_true", help="measure per-call overhead instead")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--depths", nargs="+", type=int, default=[16, 64], help="MLP depths for --overhead")
     p.add_argument("--calls", type=int, default=200)
     p.add_argument(
         "--against", help="another functrain checkout: its ft variants run interleaved (before/after)"
@@ -352,11 +360,12 @@ def main() -> None:
         return
     print(f"{common.machine()}; load average {common.load_average()}", flush=True)
     if args.overhead:
-        res = overhead(args.repeats, args.calls)
-        base = res["graph called directly"][0]
-        print("| call | ms/call (median) | IQR | minus direct (ms) |\n|---|---:|---:|---:|")
-        for name, (med, lo, hi) in res.items():
-            print(f"| {name} | {med:.3f} | {lo:.3f}–{hi:.3f} | {med - base:+.3f} |")
+        print("| MLP depth | call | ms/call (median) | IQR | minus direct (ms) |\n|---:|---|---:|---:|---:|")
+        for depth in args.depths:
+            res = overhead(args.repeats, args.calls, depth)
+            base = res["graph called directly"][0]
+            for name, (med, lo, hi) in res.items():
+                print(f"| {depth} | {name} | {med:.3f} | {lo:.3f}–{hi:.3f} | {med - base:+.3f} |", flush=True)
         print(f"load average at the end {common.load_average()}")
         return
     jit_kwargs = json.loads(args.jit_kwargs)

@@ -403,6 +403,15 @@ class CompiledStep:
         if self.seed and hasattr(state, "rng"):
             rank = self.rank if self.rank is not None else distributed_rank()
             _seed_generators(random.step_seed(state.rng, state.step, rank), _device_of(state))
+        if self._signatures:
+            split = _split_inputs(state, args, kwargs)
+            if split is not None and any(sig.matches(*split) for sig in self._signatures):
+                # Inputs as a call that passed dynamo's guards: run that graph, no guards, no compile.
+                with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                    out = self._compiled(state, *args, **kwargs)
+                if self.donate:
+                    self._donated.add(state)
+                return out
         # Dynamo stops compiling (and silently runs eagerly) after ``recompile_limit`` compiles; lift it
         # so that max_compiles decides. Set and restored by hand: config.patch costs ~5x more per call.
         dynamo_config = torch._dynamo.config
@@ -429,14 +438,11 @@ class CompiledStep:
         return out
 
     def _run(self, state: Any, args: tuple, kwargs: dict) -> Any:
-        """Call the compiled step: on the fast path when the inputs match a signature that passed
-        dynamo's guards before, else through dynamo's guards, timing a compile if there is one."""
+        """Call the step through dynamo's guards, timing a compile if there is one, and remember the
+        inputs' signature for the fast path of later calls."""
         if not self.compile:
             return self._compiled(state, *args, **kwargs)
         split = _split_inputs(state, args, kwargs) if self._guard_types is not None else None
-        if split is not None and any(sig.matches(*split) for sig in self._signatures):
-            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                return self._compiled(state, *args, **kwargs)
         if self.cache_dir is not None and self.num_compiles == 0:
             _load_cache_dir(self.cache_dir)
         signature = _InputSignature(*split, self._guard_types) if split is not None else None
