@@ -296,10 +296,12 @@ def overhead(repeats: int, calls: int, depth: int = 16) -> dict[str, tuple[float
     raw(state, batch)
     graph, inputs = graphs[-1]
     steps = {
-        'ft step, guards="dynamo"': ft.jit(
+        'ft step, guards="dynamo" (default)': ft.jit(
             ft.make_train_step(model, ft.supervised_loss(F.mse_loss)), guards="dynamo"
         ),
-        'ft step, guards="functrain"': ft.jit(ft.make_train_step(model, ft.supervised_loss(F.mse_loss))),
+        'ft step, guards="functrain"': ft.jit(
+            ft.make_train_step(model, ft.supervised_loss(F.mse_loss)), guards="functrain"
+        ),
     }
     fns = {}
     for name, step in steps.items():

@@ -229,7 +229,7 @@ def test_compile_seconds_is_zero_eagerly_and_cache_dir_is_unused(tmp_path):
 @pytest.mark.compile
 def test_fast_guard_path_still_recompiles_on_shape_dtype_and_scalar_changes():
     state = {"w": torch.full((3,), 2.0)}
-    step = ft.jit(_scaled_sum, seed=False, max_compiles=4)
+    step = ft.jit(_scaled_sum, seed=False, max_compiles=4, guards="functrain")
     x = torch.arange(3.0)
     for _ in range(3):  # the second and third call take the fast path (same signature)
         torch.testing.assert_close(step(state, x)[1], torch.tensor(6.0))
@@ -256,8 +256,8 @@ def test_guards_dynamo_sees_closure_changes_that_the_fast_path_does_not():
     def step_fn(state, x):
         return state, x.sum() * config["factor"]
 
-    checked = ft.jit(step_fn, seed=False, guards="dynamo")
-    fast = ft.jit(lambda state, x: step_fn(state, x), seed=False)
+    checked = ft.jit(step_fn, seed=False)  # guards="dynamo", the default
+    fast = ft.jit(lambda state, x: step_fn(state, x), seed=False, guards="functrain")
     x = torch.ones(3)
     assert float(checked(None, x)[1]) == 6.0 and float(fast(None, x)[1]) == 6.0
     config["factor"] = 3.0
