@@ -235,15 +235,16 @@ def compile_children(
         for v in variants:
             runs = [("", "")] + ([(" (before)", against)] if against and v in AGAINST else [])
             for suffix, checkout in runs:
-                ft_cache = os.path.join(tmp, "ft" + suffix)  # ft-cold fills it, ft-warm reuses it
+                tag = "-before" if suffix else ""  # no spaces: inductor's g++ command lines split on them
+                ft_cache = os.path.join(tmp, "ft" + tag)  # ft-cold fills it, ft-warm reuses it
                 if v in ("ft-cold", "ft-warm"):
                     r = run_child(v, layers, ft_cache, jit_kwargs, profile, checkout=checkout)
                 elif v == "ft-portable":
                     # jit's cache_dir from ft-cold, but an empty inductor cache: another machine.
-                    env_cache = os.path.join(tmp, "portable" + suffix)
+                    env_cache = os.path.join(tmp, "portable" + tag)
                     r = run_child(v, layers, ft_cache, jit_kwargs, profile, env_cache, checkout)
                 else:
-                    fresh = os.path.join(tmp, v + suffix)
+                    fresh = os.path.join(tmp, v + tag)
                     r = run_child(v, layers, fresh, jit_kwargs, profile, checkout=checkout)
                 results[v + suffix] = r
                 print(
