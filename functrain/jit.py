@@ -176,10 +176,10 @@ def _cpu_dropout_decompositions() -> dict[Any, Callable[..., Any]]:
 
 
 # ------------------------------------------------------------------------------------------ guards
-# Dynamo checks ~1600 guards per call of a train step (0.5-0.9 ms here). functrain knows what a step's
-# inputs are: after a call that passed dynamo's guards, a call whose inputs have the same structure
-# signature runs with dynamo's guard evaluation skipped (``set_stance(skip_guard_eval_unsafe=True)``:
-# with one compiled graph nothing is checked, with several only the guards that tell them apart).
+# jit(..., guards="functrain"): after a call that passed dynamo's guards, a call whose inputs match it
+# runs with dynamo's guard evaluation skipped (``skip_guard_eval_unsafe``: with one compiled graph nothing
+# is checked, with several only the guards that tell them apart). Dynamo's guards are C++; for a
+# ~100-leaf state they cost about what this check costs (benchmarks/README.md), so it is opt-in.
 
 
 _SCALAR_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device)
@@ -295,17 +295,20 @@ def _load_cache_dir(directory: str) -> int:
 
 
 def _save_cache_file(directory: str, name: str) -> None:
-    """Write this process's compile artifacts (all of them, cumulative) to ``directory/name``."""
-    from functrain.checkpoint.atomic import atomic_write
+    """Write this process's compile artifacts (all of them, cumulative) to ``directory/name``.
 
+    Written to a temporary name and renamed: ranks of one run may write the same file at once.
+    """
     artifacts = torch.compiler.save_cache_artifacts()
     if artifacts is None:
         return
-    os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, name + CACHE_SUFFIX)
+    tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        with atomic_write(path) as f:
+        os.makedirs(directory, exist_ok=True)
+        with open(tmp, "wb") as f:
             f.write(artifacts[0])
+        os.replace(tmp, path)
     except OSError as e:
         log.warning("functrain.jit: could not write the compile cache %s: %s", path, e)
     _loaded_cache_files.add(os.path.abspath(path))
@@ -597,6 +600,7 @@ def jit(
             rate, a global), which dynamo would recompile for. Measured on the CPU here it does not pay
             for a ~100-leaf state (its own check costs what dynamo's C++ guards cost; see
             benchmarks/README.md); it is meant for states with thousands of leaves.
+
     Example:
         >>> fast_step = jit(train_step, donate=True)
         >>> debug_step = jit(train_step, compile=False)
