@@ -10,6 +10,10 @@ call:
                     that ft-cold wrote (jit(..., cache_dir=...); what a run resumed elsewhere gets)
     torch-model     torch.compile(model + loss) (the backward runs through the compiled graph)
     torch-opt       torch.compile(opt.step) for torch.optim.AdamW (what the torch.compile docs show)
+    ft-trace        dynamo's trace of the step alone (a backend returning the FX graph): no inductor
+
+``--against DIR`` also runs ft-cold, ft-warm and ft-trace from another functrain checkout, each right
+after this one's (before/after pairs in one run).
 
 The acceptance ratio is ``ft-cold / (torch-model + torch-opt)``. The workload is a tiny GPT (d 256,
 4 heads, seq 64, batch 8, vocab 1024, dropout 0.1) with 2 and with 8/12 blocks.
@@ -22,6 +26,7 @@ Usage:
     OMP_NUM_THREADS=1 python benchmarks/compile.py --layers 2 8          # compile children
     OMP_NUM_THREADS=1 python benchmarks/compile.py --overhead            # per-call overhead
     OMP_NUM_THREADS=1 python benchmarks/compile.py --profile --layers 2  # where the compile time goes
+    OMP_NUM_THREADS=1 python benchmarks/compile.py --layers 2 8 --variants ft-trace --against ../old
 """
 
 from __future__ import annotations

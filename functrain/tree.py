@@ -37,6 +37,7 @@ T = TypeVar("T")
 
 __all__ = [
     "NAMESPACE",
+    "DictSpec",
     "PyTree",
     "cast",
     "field",
