@@ -45,6 +45,9 @@ __all__ = ["Trainer", "build_optimizer", "build_schedule", "resolve_device"]
 
 _TORCH_ARG_NAMES = {"betas": ("b1", "b2")}
 
+# Inside output_dir: torch's portable compile cache (functrain.jit's cache_dir), kept across runs.
+COMPILE_CACHE_DIR = "compile-cache"
+
 
 def resolve_device(name: str) -> torch.device:
     """``"auto"`` -> CUDA when available, else CPU; other names are checked against this machine.
@@ -553,6 +556,8 @@ class Trainer:
                 mode=cfg.compile_mode,
                 donate=cfg.donate and kind == "train",
                 dynamic=None if kind != "train" else False,
+                # torch's portable compile cache in the run directory: a resumed run starts warm
+                cache_dir=Path(cfg.output_dir) / COMPILE_CACHE_DIR if cfg.compile else None,
             )
             # the loop finds these on the step (a bound method carries no attributes of its own)
             self._jitted[kind].metrics = getattr(self._eval_step, "metrics", None) if kind == "eval" else None
@@ -627,7 +632,7 @@ class Trainer:
         cfg = self.config
         if (
             not out.exists()
-            or not any(out.iterdir())
+            or not any(p.name != COMPILE_CACHE_DIR for p in out.iterdir())
             or cfg.overwrite_output_dir
             or cfg.resume_from_checkpoint
         ):

@@ -41,6 +41,7 @@ T = TypeVar("T")
 
 __all__ = [
     "NAMESPACE",
+    "DictSpec",
     "PyTree",
     "cast",
     "field",
@@ -167,18 +168,55 @@ def map_with_path(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree
     return optree.tree_map_with_path(fn, tree, *rest, namespace=NAMESPACE)
 
 
+@dataclasses.dataclass(frozen=True)
+class DictSpec:
+    """The structure of a flat ``{str: tensor}`` dict, as :func:`flatten` gives it inside a compiled step.
+
+    Tracing ``optree.tree_flatten`` under ``torch.compile`` runs optree's Python polyfill node by node
+    (~0.6 s per flatten of a 30-leaf dict on the CPU here): the optimizer's flattens of params, grads
+    and moments were half of dynamo's trace time of a train step. This spec holds the keys in insertion
+    order (``keys``, what :func:`unflatten` restores) and in optree's sorted leaf order (``order``); leaf
+    order and equality between two such specs are those of optree's specs.
+    """
+
+    keys: tuple[str, ...]
+    order: tuple[str, ...]
+
+
+def _flat_dict(tree: PyTree) -> bool:
+    """Whether ``tree`` is a ``dict`` of tensors with string keys, inside a compiled function."""
+    if type(tree) is not dict or not torch.compiler.is_compiling():
+        return False
+    for k, v in tree.items():  # a plain loop: dynamo traces generators slowly  # noqa: SIM110
+        if type(k) is not str or not isinstance(v, torch.Tensor):
+            return False
+    return True
+
+
 def leaves(tree: PyTree) -> list[Any]:
     """The leaves of ``tree`` in optree order."""
+    if _flat_dict(tree):
+        return [tree[k] for k in sorted(tree)]
     return optree.tree_leaves(tree, namespace=NAMESPACE)
 
 
-def flatten(tree: PyTree) -> tuple[list[Any], optree.PyTreeSpec]:
-    """``(leaves, treespec)``; rebuild with :func:`unflatten`."""
+def flatten(tree: PyTree) -> tuple[list[Any], optree.PyTreeSpec | DictSpec]:
+    """``(leaves, treespec)``; rebuild with :func:`unflatten`.
+
+    Inside a compiled step a flat dict of tensors gets a :class:`DictSpec` (cheap to trace) instead of
+    an optree ``PyTreeSpec``; the leaves are the same, in the same order.
+    """
+    if _flat_dict(tree):
+        order = tuple(sorted(tree))
+        return [tree[k] for k in order], DictSpec(tuple(tree), order)
     return optree.tree_flatten(tree, namespace=NAMESPACE)
 
 
-def unflatten(spec: optree.PyTreeSpec, leaves_: Iterable[Any]) -> PyTree:
+def unflatten(spec: optree.PyTreeSpec | DictSpec, leaves_: Iterable[Any]) -> PyTree:
     """Inverse of :func:`flatten`."""
+    if isinstance(spec, DictSpec):
+        by_key = dict(zip(spec.order, leaves_))
+        return {k: by_key[k] for k in spec.keys}
     return optree.tree_unflatten(spec, leaves_)
 
 

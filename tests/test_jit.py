@@ -219,3 +219,93 @@ def test_fallback_random_compile_is_not_served_the_fast_dropout_graph(tmp_path, 
     assert not all(torch.allclose(fast.params[k], eager.params[k]) for k in eager.params)
     for k in eager.params:
         torch.testing.assert_close(same.params[k], eager.params[k], rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------ compile cost
+
+
+def _scaled_sum(state, x, factor=1.0):
+    return state, (x * state["w"]).sum() * factor
+
+
+def test_compile_seconds_is_zero_eagerly_and_cache_dir_is_unused(tmp_path):
+    step = ft.jit(_scaled_sum, compile=False, cache_dir=tmp_path / "cache")
+    step({"w": torch.ones(3)}, torch.ones(3))
+    assert step.compile_seconds == 0.0 and not (tmp_path / "cache").exists()
+    with pytest.raises(ValueError, match="guards"):
+        ft.jit(_scaled_sum, guards="none")
+
+
+@pytest.mark.compile
+def test_fast_guard_path_still_recompiles_on_shape_dtype_and_scalar_changes():
+    state = {"w": torch.full((3,), 2.0)}
+    step = ft.jit(_scaled_sum, seed=False, max_compiles=4, guards="functrain")
+    x = torch.arange(3.0)
+    for _ in range(3):  # the second and third call take the fast path (same signature)
+        torch.testing.assert_close(step(state, x)[1], torch.tensor(6.0))
+    assert step.num_compiles == 1 and step.compile_seconds > 0 and len(step._signatures) == 1
+    # A changed batch shape (w broadcasts), dtype and Python scalar each need a new graph.
+    torch.testing.assert_close(step(state, torch.ones(2, 3))[1], torch.tensor(12.0))
+    torch.testing.assert_close(step(state, x.double())[1], torch.tensor(6.0, dtype=torch.float64))
+    torch.testing.assert_close(step(state, x, 3.0)[1], torch.tensor(18.0))
+    assert step.num_compiles == 4, step.compile_reasons
+    with pytest.raises(ft.RecompileError, match="max_compiles=4"):
+        step(state, x.to(torch.float16))
+    # Each signature seen before runs its own graph again, without a compile.
+    torch.testing.assert_close(step(state, torch.ones(2, 3))[1], torch.tensor(12.0))
+    torch.testing.assert_close(step(state, x, 3.0)[1], torch.tensor(18.0))
+    assert step.num_compiles == 5  # the failed float16 compile counted
+
+
+@pytest.mark.compile
+def test_guards_dynamo_sees_closure_changes_that_the_fast_path_does_not():
+    # The documented limit of guards="functrain": a Python value the step closes over is dynamo's to
+    # guard. guards="dynamo" recompiles for it; the fast path keeps the graph (keep such values in the state).
+    config = {"factor": 2.0}
+
+    def step_fn(state, x):
+        return state, x.sum() * config["factor"]
+
+    checked = ft.jit(step_fn, seed=False)  # guards="dynamo", the default
+    fast = ft.jit(lambda state, x: step_fn(state, x), seed=False, guards="functrain")
+    x = torch.ones(3)
+    assert float(checked(None, x)[1]) == 6.0 and float(fast(None, x)[1]) == 6.0
+    config["factor"] = 3.0
+    assert float(checked(None, x)[1]) == 9.0 and checked.num_compiles == 2
+    assert float(fast(None, x)[1]) == 6.0 and fast.num_compiles == 1
+
+
+@pytest.mark.compile
+@pytest.mark.slow
+def test_cache_dir_makes_a_fresh_inductor_cache_start_warm(tmp_path, monkeypatch):
+    import importlib
+
+    from torch._dynamo.utils import counters
+
+    jit_module = importlib.import_module("functrain.jit")  # the module, not ft.jit the function
+
+    cache = tmp_path / "run" / "compile-cache"
+    model = mlp()
+    state = ft.TrainState.create(model, ft.optim.adam(1e-2))
+    train_step = ft.make_train_step(model, ft.supervised_loss(F.cross_entropy))
+    batch = classification_batch()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-a"))
+    first = ft.jit(train_step, cache_dir=cache)
+    expected, _ = first(state, batch)
+    files = sorted(p.name for p in cache.iterdir())
+    assert files == ["train_step" + jit_module.CACHE_SUFFIX]
+    # As a new process on another machine: dynamo's and the local caches are empty, the file is not.
+    torch._dynamo.reset()
+    monkeypatch.setattr(jit_module, "_loaded_cache_files", set())
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-b"))
+    fx_hits = counters["inductor"]["fxgraph_cache_hit"]
+    aot_hits = counters["aot_autograd"]["autograd_cache_hit"]
+    second = ft.jit(train_step, cache_dir=cache)
+    out, _ = second(state, batch)
+    assert second.num_compiles == 1
+    assert counters["aot_autograd"]["autograd_cache_hit"] > aot_hits
+    assert counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"] > (
+        fx_hits + aot_hits
+    )
+    for a, b in zip(_leaves(out), _leaves(expected)):
+        assert torch.equal(a, b)

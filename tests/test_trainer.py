@@ -398,3 +398,18 @@ def test_every_config_field_is_consumed():
         if not re.search(rf"\.(resolved_)?{name}\b", sources):
             unread.append(path)
     assert not unread, f"config fields never read: {unread}"
+
+
+def test_compiled_steps_keep_their_compile_cache_in_the_run_directory(tmp_path: Path):
+    # The cache folder alone does not make output_dir "hold a run" (it may come from evaluate()).
+    from functrain.trainer import COMPILE_CACHE_DIR
+
+    trainer = ft.Trainer(
+        SmallNet(), small_config(tmp_path, compile=True, eval_strategy="no"), make_dataset(32)
+    )
+    step = trainer._jit("train", trainer.train_step)  # wrapping compiles nothing yet
+    assert Path(step.cache_dir) == tmp_path / "run" / COMPILE_CACHE_DIR
+    (tmp_path / "run" / COMPILE_CACHE_DIR).mkdir(parents=True)
+    trainer._check_output_dir(tmp_path / "run")
+    eager = ft.Trainer(SmallNet(), small_config(tmp_path / "e", eval_strategy="no"), make_dataset(32))
+    assert eager._jit("train", eager.train_step).cache_dir is None

@@ -1,0 +1,396 @@
+"""Compile time (cold and warm) and per-call host overhead of functrain's one-graph step.
+
+Compile-time variants, each in a fresh child process with its own empty inductor cache directory
+(``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR``); compile time is the first call minus a steady
+call:
+
+    ft-cold         functrain.jit(make_train_step(...)) (forward, backward and AdamW in one graph)
+    ft-warm         the same again in a new process with the cache directory ft-cold filled
+    ft-portable     a new process with an *empty* cache directory, warmed by the portable cache file
+                    that ft-cold wrote (jit(..., cache_dir=...); what a run resumed elsewhere gets)
+    torch-model     torch.compile(model + loss) (the backward runs through the compiled graph)
+    torch-opt       torch.compile(opt.step) for torch.optim.AdamW (what the torch.compile docs show)
+    ft-trace        dynamo's trace of the step alone (a backend returning the FX graph): no inductor
+
+``--against DIR`` also runs ft-cold, ft-warm and ft-trace from another functrain checkout, each right
+after this one's (before/after pairs in one run).
+
+The acceptance ratio is ``ft-cold / (torch-model + torch-opt)``. The workload is a tiny GPT (d 256,
+4 heads, seq 64, batch 8, vocab 1024, dropout 0.1) with 2 and with 8/12 blocks.
+
+Per-call overhead (``--overhead``, in this process): a 16-layer width-8 MLP with Adam (~100 state
+leaves), the jitted step against the very graph inductor compiled for it, called directly with the
+same flat inputs (no dynamo guards, no seeding, no pytree work); interleaved repeats, medians.
+
+Usage:
+    OMP_NUM_THREADS=1 python benchmarks/compile.py --layers 2 8          # compile children
+    OMP_NUM_THREADS=1 python benchmarks/compile.py --overhead            # per-call overhead
+    OMP_NUM_THREADS=1 python benchmarks/compile.py --profile --layers 2  # where the compile time goes
+    OMP_NUM_THREADS=1 python benchmarks/compile.py --layers 2 8 --variants ft-trace --against ../old
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# This checkout's functrain, or the one --against names (children get FUNCTRAIN_CHECKOUT).
+sys.path.insert(0, os.environ.get("FUNCTRAIN_CHECKOUT", str(Path(__file__).resolve().parent.parent)))
+import _common as common
+
+import functrain as ft
+
+VOCAB, D_MODEL, HEADS, SEQ, BATCH = 1024, 256, 4, 64, 8
+AGAINST = ("ft-cold", "ft-warm", "ft-trace")  # the variants --against runs from the other checkout too
+
+
+# ------------------------------------------------------------------------------------------ model
+
+
+class Block(nn.Module):
+    """A pre-norm GPT block: causal self-attention (SDPA) and a 4x MLP, dropout on both residuals."""
+
+    def __init__(self, d: int = D_MODEL, heads: int = HEADS, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.drop(self.proj(a))
+        return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, layers: int = 2, d: int = D_MODEL) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, d)
+        self.pos = nn.Parameter(torch.randn(SEQ, d) * 0.02)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok(tokens) + self.pos
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+def gpt_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+# ------------------------------------------------------------------------------------------ children
+
+
+def _step_fn(variant: str, layers: int, cache_dir: str | None, jit_kwargs: dict):
+    torch.manual_seed(0)
+    model = TinyGPT(layers)
+    x, y = gpt_batch()
+    model.train()
+    if variant.startswith("ft"):
+        state = ft.TrainState.create(model, ft.optim.adamw(common.LR, weight_decay=common.WEIGHT_DECAY))
+        if variant == "ft-trace":  # dynamo's trace alone (and functrain's own work in it): no inductor
+            traced = torch.compile(
+                ft.make_train_step(model, ft.supervised_loss(lm_loss)), fullgraph=True,
+                backend=lambda gm, example_inputs: gm.forward,
+            )  # fmt: skip
+
+            def trace_step() -> None:
+                traced(state, (x, y))
+
+            return trace_step
+        kwargs = dict(jit_kwargs)
+        if "cache_dir" in inspect.signature(ft.jit).parameters:
+            kwargs.setdefault("cache_dir", os.path.join(cache_dir, "functrain"))
+        step = ft.jit(ft.make_train_step(model, ft.supervised_loss(lm_loss)), **kwargs)
+        box = [state]
+
+        def ft_step() -> None:
+            box[0], _ = step(box[0], (x, y))
+
+        ft_step.compiled = step  # type: ignore[attr-defined]
+        return ft_step
+    opt = torch.optim.AdamW(model.parameters(), lr=common.LR, weight_decay=common.WEIGHT_DECAY)
+    if variant == "torch-model":
+        forward = torch.compile(lambda x, y: lm_loss(model(x), y))
+
+        def model_step() -> None:
+            opt.zero_grad(set_to_none=True)
+            forward(x, y).backward()
+            opt.step()
+
+        return model_step
+    if variant == "torch-opt":
+        lm_loss(model(x), y).backward()  # grads exist; the compiled update is what is timed
+        compiled_step = torch.compile(opt.step)
+        return compiled_step
+    raise ValueError(variant)
+
+
+def child(variant: str, layers: int, cache_dir: str | None, jit_kwargs: dict, profile: bool) -> dict:
+    import torch._inductor.compile_fx  # noqa: F401  (imports are not compile time)
+    from torch._dynamo.utils import compile_times, counters
+
+    fn = _step_fn(variant, layers, cache_dir, jit_kwargs)
+    prof = None
+    if profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
+    t0 = time.perf_counter()
+    fn()
+    first = time.perf_counter() - t0
+    if prof is not None:
+        prof.disable()
+    for _ in range(2):
+        fn()
+    t0 = time.perf_counter()
+    n = 5
+    for _ in range(n):
+        fn()
+    steady = (time.perf_counter() - t0) / n
+    out = {
+        "compile_s": first - steady,
+        "step_ms": steady * 1e3,
+        "fx_cache_hits": counters["inductor"]["fxgraph_cache_hit"],
+        "aot_cache_hits": counters["aot_autograd"]["autograd_cache_hit"],
+    }
+    compiled = getattr(fn, "compiled", None)
+    if compiled is not None:
+        out["num_compiles"] = compiled.num_compiles
+        out["reported_compile_s"] = getattr(compiled, "compile_seconds", float("nan"))
+    if profile:
+        headers, values = compile_times(repr="csv", aggregate=True)
+        out["compile_times"] = {h: float(v) for h, v in zip(headers, values)}
+        out["cprofile"] = _top_functions(prof)
+    return out
+
+
+def _top_functions(prof, n: int = 45) -> list[tuple[str, float, float]]:
+    import pstats
+
+    stats = pstats.Stats(prof)
+    rows = []
+    for (file, line, name), (_, _, tottime, cumtime, _) in stats.stats.items():  # type: ignore[attr-defined]
+        short = "/".join(file.split("/")[-2:])
+        rows.append((f"{short}:{line}({name})", tottime, cumtime))
+    by_cum = sorted(rows, key=lambda r: -r[2])[:n]
+    by_tot = sorted(rows, key=lambda r: -r[1])[:20]
+    return [*by_cum, ("--- by own time ---", 0.0, 0.0), *by_tot]
+
+
+def run_child(
+    variant: str,
+    layers: int,
+    cache_dir: str,
+    jit_kwargs: dict,
+    profile: bool = False,
+    env_cache: str = "",
+    checkout: str = "",
+) -> dict:
+    env = dict(
+        os.environ,
+        TORCHINDUCTOR_CACHE_DIR=env_cache or cache_dir,
+        TRITON_CACHE_DIR=os.path.join(env_cache or cache_dir, "triton"),
+        OMP_NUM_THREADS="1",
+        FUNCTRAIN_CHECKOUT=checkout or str(Path(__file__).resolve().parent.parent),
+    )
+    cmd = [sys.executable, __file__, "--child", variant, str(layers), cache_dir, json.dumps(jit_kwargs)]
+    if profile:
+        cmd.append("--profile")
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"child {variant}/{layers} failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def compile_children(
+    layers: int, variants: list[str], jit_kwargs: dict, profile: bool, against: str | None
+) -> dict[str, dict]:
+    """Every variant in a fresh child; with ``against``, each ft variant right after the same variant
+    of that other checkout (``name (before)``), each with its own caches."""
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="functrain-compile-") as tmp:
+        for v in variants:
+            runs = [("", "")] + ([(" (before)", against)] if against and v in AGAINST else [])
+            for suffix, checkout in runs:
+                tag = "-before" if suffix else ""  # no spaces: inductor's g++ command lines split on them
+                ft_cache = os.path.join(tmp, "ft" + tag)  # ft-cold fills it, ft-warm reuses it
+                if v in ("ft-cold", "ft-warm"):
+                    r = run_child(v, layers, ft_cache, jit_kwargs, profile, checkout=checkout)
+                elif v == "ft-portable":
+                    # jit's cache_dir from ft-cold, but an empty inductor cache: another machine.
+                    env_cache = os.path.join(tmp, "portable" + tag)
+                    r = run_child(v, layers, ft_cache, jit_kwargs, profile, env_cache, checkout)
+                else:
+                    fresh = os.path.join(tmp, v + tag)
+                    r = run_child(v, layers, fresh, jit_kwargs, profile, checkout=checkout)
+                results[v + suffix] = r
+                print(
+                    f"  layers {layers} {v}{suffix}: compile {r['compile_s']:.1f} s, step {r['step_ms']:.1f} ms, "
+                    f"cache hits fx {r['fx_cache_hits']} aot {r['aot_cache_hits']} "
+                    f"(load {common.load_average()})",
+                    flush=True,
+                )
+                if profile:
+                    _print_profile(r)
+    return results
+
+
+def _print_profile(r: dict) -> None:
+    print("    compile_times (aggregate s):")
+    for k, v in sorted(r["compile_times"].items(), key=lambda kv: -kv[1]):
+        print(f"      {v:8.2f}  {k}")
+    print("    cProfile (cumulative s / own s):")
+    for name, tot, cum in r["cprofile"]:
+        print(f"      {cum:8.2f} {tot:8.2f}  {name}")
+
+
+# ------------------------------------------------------------------------------------------ overhead
+
+
+def overhead(repeats: int, calls: int, depth: int = 16) -> dict[str, tuple[float, float, float]]:
+    """Per-call time of the jitted step and of its inductor graph called directly (same flat inputs)."""
+    torch.manual_seed(0)
+    width = 8
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    model = nn.Sequential(*layers[:-1])
+    state = ft.TrainState.create(model, ft.optim.adam(1e-3))
+    n_leaves = sum(isinstance(x, torch.Tensor) for x in ft.tree.leaves(state))
+    batch = (torch.randn(4, width), torch.randn(4, width))
+    graphs: list = []
+
+    from torch._inductor.compile_fx import compile_fx
+
+    def capture(gm, example_inputs):
+        compiled = compile_fx(gm, example_inputs)
+        graphs.append((compiled, list(example_inputs)))
+        return compiled
+
+    # The same step through a backend that keeps the compiled graph and its inputs.
+    raw = torch.compile(
+        ft.make_train_step(model, ft.supervised_loss(F.mse_loss)), fullgraph=True, backend=capture
+    )
+    raw(state, batch)
+    graph, inputs = graphs[-1]
+    steps = {
+        'ft step, guards="dynamo" (default)': ft.jit(
+            ft.make_train_step(model, ft.supervised_loss(F.mse_loss)), guards="dynamo"
+        ),
+        'ft step, guards="functrain"': ft.jit(
+            ft.make_train_step(model, ft.supervised_loss(F.mse_loss)), guards="functrain"
+        ),
+    }
+    fns = {}
+    for name, step in steps.items():
+        box = [state]
+
+        def ft_call(step=step, box=box) -> None:
+            box[0], _ = step(box[0], batch)
+
+        fns[name] = ft_call
+
+    def direct_call() -> None:
+        graph(*inputs)
+
+    box_raw = [state]
+
+    def raw_call() -> None:
+        box_raw[0], _ = raw(box_raw[0], batch)
+
+    fns["torch.compile'd step (dynamo guards, no functrain)"] = raw_call
+    fns["graph called directly"] = direct_call
+    for _ in range(20):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            times[name].append(common.timed(fns[name], calls))
+    print(f"  state leaves: {n_leaves}, compiles: {[s.num_compiles for s in steps.values()]}")
+    return {k: common.median_spread(v) for k, v in times.items()}
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", nargs="+", type=int, default=[2, 8])
+    p.add_argument(
+        "--variants", nargs="+", default=["ft-cold", "ft-warm", "ft-portable", "torch-model", "torch-opt"]
+    )
+    p.add_argument("--jit-kwargs", default="{}", help="JSON dict passed to functrain.jit (experiments)")
+    p.add_argument("--profile", action="store_true", help="print compile_times() and a cProfile per child")
+    p.add_argument("--overhead", action="store_true", help="measure per-call overhead instead")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--depths", nargs="+", type=int, default=[16, 64], help="MLP depths for --overhead")
+    p.add_argument("--calls", type=int, default=200)
+    p.add_argument(
+        "--against", help="another functrain checkout: its ft variants run interleaved (before/after)"
+    )
+    p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+
+    if args.child:
+        variant, layers, cache_dir, kw = args.child
+        print(json.dumps(child(variant, int(layers), cache_dir, json.loads(kw), args.profile)))
+        return
+    print(f"{common.machine()}; load average {common.load_average()}", flush=True)
+    if args.overhead:
+        print("| MLP depth | call | ms/call (median) | IQR | minus direct (ms) |\n|---:|---|---:|---:|---:|")
+        for depth in args.depths:
+            res = overhead(args.repeats, args.calls, depth)
+            base = res["graph called directly"][0]
+            for name, (med, lo, hi) in res.items():
+                print(f"| {depth} | {name} | {med:.3f} | {lo:.3f}–{hi:.3f} | {med - base:+.3f} |", flush=True)
+        print(f"load average at the end {common.load_average()}")
+        return
+    jit_kwargs = json.loads(args.jit_kwargs)
+    table = ["| layers | variant | compile s | step ms | fx/aot cache hits | ft-cold / (model + opt) |",
+             "|---:|---|---:|---:|---|---:|"]  # fmt: skip
+    for layers in args.layers:
+        res = compile_children(layers, args.variants, jit_kwargs, args.profile, args.against)
+        denom = sum(res[v]["compile_s"] for v in ("torch-model", "torch-opt") if v in res)
+        for v, r in res.items():
+            ratio = f"{r['compile_s'] / denom:.2f}x" if denom and v.startswith("ft") else ""
+            table.append(
+                f"| {layers} | {v} | {r['compile_s']:.1f} | {r['step_ms']:.1f} | "
+                f"{r['fx_cache_hits']}/{r['aot_cache_hits']} | {ratio} |"
+            )
+    print("\n".join(table))
+    print(f"load average at the end {common.load_average()}")
+
+
+if __name__ == "__main__":
+    main()
