@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import time
+import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -434,7 +435,7 @@ class CompiledStep:
         self._donated: weakref.WeakSet[Any] = weakref.WeakSet()
         self._warned = False
         functools.update_wrapper(self, fn)
-        target = _donating(fn) if donate else _keeping_layouts(fn)
+        target = _with_own_code(_donating(fn) if donate else _keeping_layouts(fn))
         self._eager = target
         if compile:
             config = dict(torch._inductor.list_mode_options(mode)) if mode else {}
@@ -593,6 +594,22 @@ class CompiledStep:
     def __repr__(self) -> str:
         how = "compiled" if self.compile else "eager"
         return f"CompiledStep({self.__name__}, {how}, donate={self.donate}, compiles={self.num_compiles})"
+
+
+def _with_own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A copy of ``fn`` with a code object of its own.
+
+    Dynamo keeps compiled graphs, recompile counts and guard failures per code object. The wrappers
+    made by ``_donating`` and ``_keeping_layouts`` (and steps made by one factory) share theirs, so
+    without a copy every CompiledStep in a process would share one cache: each call would first check
+    the other steps' guards, their compiles would count toward dynamo's recompile limit, and a
+    recompile would be explained by another step's guard failure.
+    """
+    own = types.FunctionType(
+        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+    own.__kwdefaults__ = fn.__kwdefaults__
+    return functools.update_wrapper(own, fn)
 
 
 def _donating(fn: Callable[..., Any]) -> Callable[..., Any]:

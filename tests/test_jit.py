@@ -57,6 +57,27 @@ def test_max_compiles_names_the_cause():
     assert double.num_compiles == 2 and "size" in double.compile_reasons[0].lower()
 
 
+@pytest.mark.compile
+def test_each_step_has_its_own_compile_cache():
+    """Two steps in one process: the second's recompile is explained by its own guard, and neither
+    step's compiles count toward the other's (dynamo keeps its caches per code object)."""
+
+    def triple(state, x):
+        return state, x * 3
+
+    other = ft.jit(triple, seed=False)
+    other(None, torch.ones(5))
+
+    @ft.jit(max_compiles=2, seed=False)
+    def double(state, x):
+        return state, x * 2
+
+    double(None, torch.ones(3))
+    double(None, torch.ones(4))
+    assert double.num_compiles == 2 and other.num_compiles == 1
+    assert "size" in double.compile_reasons[0].lower(), double.compile_reasons
+
+
 def test_graph_break_is_explained():
     def step(state, x):
         print("host work inside the step")
