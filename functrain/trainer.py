@@ -556,8 +556,10 @@ class Trainer:
                 mode=cfg.compile_mode,
                 donate=cfg.donate and kind == "train",
                 dynamic=None if kind != "train" else False,
-                # torch's portable compile cache in the run directory: a resumed run starts warm
-                cache_dir=Path(cfg.output_dir) / COMPILE_CACHE_DIR if cfg.compile else None,
+                # torch's portable compile cache in the run directory (opt-in: its files are pickles)
+                cache_dir=Path(cfg.output_dir) / COMPILE_CACHE_DIR
+                if cfg.compile and cfg.compile_cache
+                else None,
             )
             # the loop finds these on the step (a bound method carries no attributes of its own)
             self._jitted[kind].metrics = getattr(self._eval_step, "metrics", None) if kind == "eval" else None

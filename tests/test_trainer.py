@@ -400,12 +400,18 @@ def test_every_config_field_is_consumed():
     assert not unread, f"config fields never read: {unread}"
 
 
-def test_compiled_steps_keep_their_compile_cache_in_the_run_directory(tmp_path: Path):
+def test_compile_cache_in_the_run_directory_is_opt_in(tmp_path: Path):
     # The cache folder alone does not make output_dir "hold a run" (it may come from evaluate()).
     from functrain.trainer import COMPILE_CACHE_DIR
 
-    trainer = ft.Trainer(
+    default = ft.Trainer(
         SmallNet(), small_config(tmp_path, compile=True, eval_strategy="no"), make_dataset(32)
+    )
+    assert default._jit("train", default.train_step).cache_dir is None  # opt-in: the files are pickles
+    trainer = ft.Trainer(
+        SmallNet(),
+        small_config(tmp_path, compile=True, compile_cache=True, eval_strategy="no"),
+        make_dataset(32),
     )
     step = trainer._jit("train", trainer.train_step)  # wrapping compiles nothing yet
     assert Path(step.cache_dir) == tmp_path / "run" / COMPILE_CACHE_DIR

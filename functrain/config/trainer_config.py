@@ -235,6 +235,13 @@ class TrainerConfig(ConfigSection):
     compile: bool = option(True, doc="Compile train and eval steps with torch.compile(fullgraph=True).")
     compile_mode: CompileMode | None = option(None, doc="torch.compile mode; null: PyTorch's default.")
     donate: bool = option(False, doc="Let the step overwrite the incoming state's tensors (saves memory).")
+    compile_cache: bool = option(
+        False,
+        doc="Keep torch's portable compile cache in output_dir/compile-cache, so that a run resumed on "
+        "another machine of the same kind starts warm. Its files are torch's pickles (loading one can run "
+        "code): turn it on only for run directories that only you write. Off, a new process on the same "
+        "machine still starts warm from torch's local cache.",
+    )
     # -- sweeps (functrain.ensemble)
     sweep: dict[str, list[Any]] = option(
         default_factory=dict,
