@@ -243,9 +243,25 @@ def same_structure(a: Any, b: Any) -> bool:
         >>> same_structure(structure({"w": 1}), structure({"b": 1}))
         False
     """
+    if isinstance(a, DictSpec) or isinstance(b, DictSpec):
+        return _same_dict_spec(a, b)
     if not torch.compiler.is_compiling():
         return bool(a == b)
     return _same_nodes(a, b)
+
+
+def _same_dict_spec(a: Any, b: Any) -> bool:
+    """:func:`same_structure` where one spec is a :class:`DictSpec` (a flat dict seen while compiling):
+    the same keys in the same leaf order, against another DictSpec or an optree spec of a flat dict."""
+    if isinstance(a, DictSpec) and isinstance(b, DictSpec):
+        return _same_value(a.order, b.order)
+    flat, other = (a, b) if isinstance(a, DictSpec) else (b, a)
+    if isinstance(other, torch_pytree.TreeSpec) or other.type is not dict:
+        return False
+    n = len(flat.order)
+    return (
+        other.num_leaves == n and other.num_nodes == n + 1 and _same_value(tuple(other.entries()), flat.order)
+    )
 
 
 def _same_nodes(a: Any, b: Any) -> bool:

@@ -159,3 +159,27 @@ def test_same_structure_traces_and_agrees_with_eager():
     x = torch.ones(2)
     compiled = torch.compile(_compare_all, fullgraph=True, backend="eager")(x)
     assert compiled[1:] == _compare_all(x)[1:]
+
+
+def _flat_dict_comparisons(x: torch.Tensor) -> tuple[bool, ...]:
+    # Compiled, a flat dict of tensors flattens to a tree.DictSpec; eagerly to an optree spec.
+    flat = tree.flatten({"w": x, "b": x})[1]
+    reordered = tree.flatten({"b": x * 2, "w": x})[1]
+    fewer = tree.flatten({"w": x})[1]
+    nested = tree.flatten({"w": x, "b": (x,)})[1]
+    of_floats = tree.flatten({"w": x, "b": 0.0})[1]  # a float leaf: an optree spec, also compiled
+    return (
+        tree.same_structure(flat, reordered),
+        tree.same_structure(flat, fewer),
+        tree.same_structure(flat, nested),
+        tree.same_structure(nested, flat),
+        tree.same_structure(flat, of_floats),
+        tree.same_structure(of_floats, flat),
+    )
+
+
+@pytest.mark.compile
+def test_same_structure_compares_the_flat_dict_specs_of_compiled_steps():
+    eager = _flat_dict_comparisons(torch.ones(2))
+    assert eager == (True, False, False, False, True, True)
+    assert torch.compile(_flat_dict_comparisons, fullgraph=True, backend="eager")(torch.ones(2)) == eager
