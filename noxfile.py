@@ -56,10 +56,12 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """The benchmarks (steps, loop, checkpoint, distributed); tables go to benchmarks/README.md."""
+    """The CPU benchmarks (steps, loop, checkpoint, distributed, compile, ensemble, remat, rnn); tables go to
+    benchmarks/README.md. benchmarks/gpu.py needs a GPU: run it on its own there."""
     _install(session, "dev,bench")  # bench: nox and lightning (benchmarks/loop.py compares against it)
-    for script in ("steps.py", "loop.py", "checkpoint.py", "distributed.py"):
-        session.run("python", f"benchmarks/{script}", *session.posargs)
+    scripts = ("steps", "loop", "checkpoint", "distributed", "compile", "ensemble", "remat", "rnn")
+    for script in scripts:
+        session.run("python", f"benchmarks/{script}.py", *session.posargs)
 
 
 @nox.session
