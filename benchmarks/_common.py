@@ -6,13 +6,16 @@ the model from the same seed, so all variants start from identical weights.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -143,6 +146,37 @@ def build_batch(workload: Workload, seed: int = 1) -> tuple[torch.Tensor, torch.
     return workload.make_batch(torch.Generator().manual_seed(seed))
 
 
+def ft_step_fn(
+    model: nn.Module,
+    criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    batch: tuple[torch.Tensor, torch.Tensor],
+    *,
+    donate: bool = False,
+    jit_kwargs: dict | None = None,
+    **step_kwargs: Any,
+) -> Callable[[], None]:
+    """A zero-argument callable running one ``ft.jit`` AdamW step on ``batch``; ``.compiled`` is the step.
+
+    The state shares the model's weights (``copy=False``) instead of holding a second copy of them.
+    ``step_kwargs`` go to :func:`functrain.make_train_step` (``precision="bf16"``, ...).
+    """
+    import functrain as ft  # here: compile.py picks the functrain checkout after importing this module
+
+    state = ft.TrainState.create(model, ft.optim.adamw(LR, weight_decay=WEIGHT_DECAY), copy=False)
+    step = ft.jit(
+        ft.make_train_step(model, ft.supervised_loss(criterion), **step_kwargs),
+        donate=donate,
+        **(jit_kwargs or {}),
+    )
+    box = [state]
+
+    def ft_step() -> None:
+        box[0], _ = step(box[0], batch)
+
+    ft_step.compiled = step  # type: ignore[attr-defined]
+    return ft_step
+
+
 # ------------------------------------------------------------------------------------------ stats
 
 
@@ -161,6 +195,32 @@ def timed(fn: Callable[[], Any], n: int) -> float:
     for _ in range(n):
         fn()
     return (time.perf_counter() - t0) * 1e3 / n
+
+
+# ------------------------------------------------------------------------------------------ children
+
+
+def run_child(script: str, args: list[str], what: str, **env: str) -> dict:
+    """Run ``python script *args`` in a fresh process (``env`` added to this one's) and return the JSON
+    object on the last line of its stdout; raise with the tail of its stderr, naming ``what``, if it fails."""
+    out = subprocess.run(
+        [sys.executable, script, *args],
+        env=dict(os.environ, **env),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"{what} failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def write_report(text: str, out: str | Path) -> None:
+    """Print the report ``text`` and write it to ``out`` (creating its folder)."""
+    print(text)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text.rstrip("\n") + "\n")
 
 
 # ------------------------------------------------------------------------------------------ memory

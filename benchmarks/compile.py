@@ -35,7 +35,6 @@ import argparse
 import inspect
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -214,20 +213,23 @@ def run_child(
     env_cache: str = "",
     checkout: str = "",
 ) -> dict:
-    env = dict(
-        os.environ,
+    cmd = [
+        "--child",
+        variant,
+        str(layers),
+        cache_dir,
+        json.dumps(jit_kwargs),
+        *(["--profile"] if profile else []),
+    ]
+    return common.run_child(
+        __file__,
+        cmd,
+        f"child {variant}/{layers}",
         TORCHINDUCTOR_CACHE_DIR=env_cache or cache_dir,
         TRITON_CACHE_DIR=os.path.join(env_cache or cache_dir, "triton"),
         OMP_NUM_THREADS="1",
         FUNCTRAIN_CHECKOUT=checkout or str(Path(__file__).resolve().parent.parent),
     )
-    cmd = [sys.executable, __file__, "--child", variant, str(layers), cache_dir, json.dumps(jit_kwargs)]
-    if profile:
-        cmd.append("--profile")
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        raise RuntimeError(f"child {variant}/{layers} failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def compile_children(

@@ -200,11 +200,8 @@ def main() -> None:
             *sections,
         ]
     )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text + "\n")
-    print(text)
-    print(f"wrote {out}")
+    common.write_report(text, args.out)
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

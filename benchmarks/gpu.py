@@ -34,8 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,8 +47,6 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common
-
-import functrain as ft
 
 VARIANTS = ("eager-fused", "compile-model", "compile-loss", "compile-opt", "ft-jit", "ft-donate")
 BASELINES = ("eager-fused", "compile-model", "compile-loss", "compile-opt")
@@ -197,21 +193,9 @@ def make_variant(name: str, workload: str, quick: bool, device: torch.device, ji
 
         return torch_step
 
-    state = ft.TrainState.create(
-        model, ft.optim.adamw(common.LR, weight_decay=common.WEIGHT_DECAY), copy=False
+    return common.ft_step_fn(
+        model, criterion, (x, y), donate=name == "ft-donate", jit_kwargs=jit_kwargs, precision="bf16"
     )
-    step = ft.jit(
-        ft.make_train_step(model, ft.supervised_loss(criterion), precision="bf16"),
-        donate=name == "ft-donate",
-        **jit_kwargs,
-    )
-    box = [state]
-
-    def ft_step() -> None:
-        box[0], _ = step(box[0], (x, y))
-
-    ft_step.compiled = step  # type: ignore[attr-defined]
-    return ft_step
 
 
 # ------------------------------------------------------------------------------------------ one variant
@@ -268,15 +252,11 @@ def child(workload: str, variant: str, args: argparse.Namespace) -> dict[str, An
 
 
 def run_child(workload: str, variant: str, cache_dir: str, args: argparse.Namespace) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--child", workload, variant, "--device", args.device]
+    cmd = ["--child", workload, variant, "--device", args.device]
     cmd += ["--steps", str(args.steps), "--repeats", str(args.repeats), "--warmup", str(args.warmup)]
     cmd += ["--quick"] if args.quick else []
     cmd += ["--jit-kwargs", args.jit_kwargs] if args.jit_kwargs else []
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        raise RuntimeError(f"child {workload}/{variant} failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return common.run_child(__file__, cmd, f"child {workload}/{variant}", TORCHINDUCTOR_CACHE_DIR=cache_dir)
 
 
 def measure(workload: str, variant: str, args: argparse.Namespace) -> dict[str, Any]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -119,12 +118,13 @@ def child(args: argparse.Namespace, variant: str, params_path: str) -> dict:
 
 
 def run_child(args: argparse.Namespace, variant: str, params_path: str) -> dict:
-    cmd = [sys.executable, __file__, "--child", variant, "--params-path", params_path, *args.forward]
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=str(args.threads))
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        raise RuntimeError(f"{variant} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return common.run_child(
+        __file__,
+        ["--child", variant, "--params-path", params_path, *args.forward],
+        variant,
+        MALLOC_MMAP_THRESHOLD_="65536",
+        OMP_NUM_THREADS=str(args.threads),
+    )
 
 
 def main() -> None:
@@ -183,9 +183,7 @@ def main() -> None:
             f"| {variant} | {r['step_extra_mb']:.0f} | {ratio:.2f}x | {r['state_rss_mb']:.0f} | "
             f"{r['first_call_s']:.1f} | {r['step_ms']:.0f} | {diff:.1e} |"
         )
-    text = "\n".join(lines) + "\n"
-    print(text)
-    Path(args.out).write_text(text)
+    common.write_report("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

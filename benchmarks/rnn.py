@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -84,12 +82,12 @@ def main() -> None:
     rows = []
     for seq in args.seqs:
         with tempfile.TemporaryDirectory() as cache:
-            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, OMP_NUM_THREADS="1")
-            cmd = [sys.executable, __file__, "--child", str(seq), "--steps", str(args.steps)]
-            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-        if out.returncode != 0:
-            raise RuntimeError(f"seq {seq} failed:\n{out.stderr[-3000:]}")
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            cmd = ["--child", str(seq), "--steps", str(args.steps)]
+            rows.append(
+                common.run_child(
+                    __file__, cmd, f"seq {seq}", TORCHINDUCTOR_CACHE_DIR=cache, OMP_NUM_THREADS="1"
+                )
+            )
         print(json.dumps(rows[-1]), flush=True)
     base = rows[0]
     lines = [
@@ -107,9 +105,7 @@ def main() -> None:
             f"| {r['seq']} | {r['first_call_s']:.1f} | {r['first_call_s'] / base['first_call_s']:.2f}x | "
             f"{r['compiled_ms']:.1f} | {r['eager_torch_ms']:.1f} | {r['num_compiles']} |"
         )
-    text = "\n".join(lines) + "\n"
-    print(text)
-    Path(args.out).write_text(text)
+    common.write_report("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,8 +37,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common
-
-import functrain as ft
 
 VARIANTS = ("eager-foreach", "eager-fused", "compile-fused", "ft-jit", "ft-donate")
 BASELINES = ("eager-foreach", "eager-fused", "compile-fused")
@@ -68,22 +64,9 @@ def make_variant(name: str, workload: common.Workload, jit_kwargs: dict | None =
 
         return torch_step
 
-    # copy=False: the state shares the model's weights instead of holding a second copy of them.
-    state = ft.TrainState.create(
-        model, ft.optim.adamw(common.LR, weight_decay=common.WEIGHT_DECAY), copy=False
+    return common.ft_step_fn(
+        model, F.cross_entropy, (x, y), donate=name == "ft-donate", jit_kwargs=jit_kwargs
     )
-    step = ft.jit(
-        ft.make_train_step(model, ft.supervised_loss(F.cross_entropy)),
-        donate=name == "ft-donate",
-        **(jit_kwargs or {}),
-    )
-    box = [state]
-
-    def ft_step() -> None:
-        box[0], _ = step(box[0], (x, y))
-
-    ft_step.compiled = step  # type: ignore[attr-defined]
-    return ft_step
 
 
 # ------------------------------------------------------------------------------------------ timing
@@ -144,15 +127,16 @@ def run_child(workload: str, variant: str, cache_dir: str, steps: int, jit_kwarg
     # Every allocation of 64 KiB or more gets its own mapping, returned to the system when freed: the
     # RSS then follows the live tensors (glibc's default keeps freed blocks, so a peak would partly be
     # its heap). The same for every variant.
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir, MALLOC_MMAP_THRESHOLD_="65536")
-    cmd = [sys.executable, __file__, "--child", workload, variant, "--steps", str(steps)]
-    cmd += ["--threads", str(torch.get_num_threads())]
+    cmd = ["--child", workload, variant, "--steps", str(steps), "--threads", str(torch.get_num_threads())]
     if jit_kwargs:
         cmd += ["--jit-kwargs", json.dumps(jit_kwargs)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        raise RuntimeError(f"child {workload}/{variant} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return common.run_child(
+        __file__,
+        cmd,
+        f"child {workload}/{variant}",
+        TORCHINDUCTOR_CACHE_DIR=cache_dir,
+        MALLOC_MMAP_THRESHOLD_="65536",
+    )
 
 
 def measure_children(

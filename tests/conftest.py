@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import builtins
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -12,6 +15,22 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def hide_import(monkeypatch) -> Callable[[str], None]:
+    """``hide_import("pkg")``: for the rest of the test, importing ``pkg`` or a submodule raises ImportError,
+    as if it were not installed (even where it is imported already)."""
+    hidden: list[str] = []
+    real_import = builtins.__import__
+
+    def guarded(name, *args, **kwargs):
+        if any(name == h or name.startswith(h + ".") for h in hidden):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", guarded)
+    return hidden.append
 
 
 def pytest_collection_modifyitems(config, items):

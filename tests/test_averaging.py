@@ -229,19 +229,10 @@ def test_ema_compiles_in_the_one_graph_step_without_recompiles():
 
 def _ema_trainer(tmp_path, **fields) -> ft.Trainer:
     """A small eager Trainer (SGD, 6 steps, evaluating by steps) with the given config fields."""
-    from trainer_fixtures import SmallNet, make_dataset
+    from trainer_fixtures import SmallNet, make_dataset, quiet_config
 
-    cfg = ft.TrainerConfig(
-        output_dir=str(tmp_path / "run"),
-        max_steps=6,
-        batch_size=16,
-        compile=False,
-        progress_bar=False,
-        print_summary=False,
-        eval_strategy="steps",
-        device="cpu",
-        optimizer={"name": "sgd", "lr": 0.5},
-        **fields,
+    cfg = quiet_config(
+        tmp_path, max_steps=6, eval_strategy="steps", optimizer={"name": "sgd", "lr": 0.5}, **fields
     )
     return ft.Trainer(SmallNet(), cfg, train_dataset=make_dataset(96), eval_dataset=make_dataset(32, seed=1))
 

@@ -106,17 +106,8 @@ def test_safetensors_round_trip(tmp_path):
     assert report.complete and torch.equal(imported.params["2.bias"], state.params["2.bias"])
 
 
-def test_missing_safetensors_gives_install_hint(monkeypatch, tmp_path):
-    import builtins
-
-    real_import = builtins.__import__
-
-    def no_safetensors(name, *args, **kwargs):
-        if name.startswith("safetensors"):
-            raise ImportError(name)
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_safetensors)
+def test_missing_safetensors_gives_install_hint(hide_import, tmp_path):
+    hide_import("safetensors")
     checkpoint.save(tmp_path / "s.ckpt", _state(_model(3)), fsync=False)
     with pytest.raises(checkpoint.CheckpointError, match="pip install safetensors"):
         checkpoint.export(tmp_path / "s.ckpt", tmp_path / "m.safetensors", format="safetensors")

@@ -104,17 +104,8 @@ def test_trainer_trains_the_grid_as_one_ensemble_and_reports_it(tmp_path, caplog
     assert "train/loss/member_3" in first
 
 
-def test_sweep_without_matplotlib_skips_the_plot_with_a_log_line(tmp_path, monkeypatch, caplog):
-    import builtins
-
-    real_import = builtins.__import__
-
-    def no_matplotlib(name, *args, **kwargs):
-        if name.startswith("matplotlib"):
-            raise ImportError(name)
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+def test_sweep_without_matplotlib_skips_the_plot_with_a_log_line(tmp_path, hide_import, caplog):
+    hide_import("matplotlib")
     cfg = _config(tmp_path, sweep={"optimizer.lr": [1e-3, 1e-2]}, epochs=1)
     with caplog.at_level("WARNING", logger="functrain.ensemble"):
         ft.Trainer(DigitsMLP(), cfg, digits("train", 128), digits("val", 64)).train()

@@ -217,19 +217,15 @@ def test_trainer_report_to_wandb_and_mlflow(
     import functrain as ft
 
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
-    from trainer_fixtures import SmallNet, make_dataset
+    from trainer_fixtures import SmallNet, make_dataset, quiet_config
 
-    cfg = ft.TrainerConfig(
+    cfg = quiet_config(
+        tmp_path,
         output_dir=str(tmp_path / "myrun"),
         max_steps=4,
         log_steps=2,
-        batch_size=16,
-        compile=False,
-        progress_bar=False,
-        print_summary=False,
         eval_strategy="no",
         save_strategy="no",
-        device="cpu",
         report_to=["wandb", "mlflow"],
     )
     ft.Trainer(SmallNet(), cfg, train_dataset=make_dataset(64)).train()
