@@ -23,6 +23,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from functrain.logging._optional import import_optional
 from functrain.logging.jsonl import read_jsonl
 
 __all__ = ["find_metrics", "plot_run"]
@@ -83,10 +84,8 @@ def plot_run(
         series = {n: v for n, v in series.items() if n not in _NOT_CURVES}
     if not series:
         raise ValueError(f"plot_run: {source} holds no scalars to plot")
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as err:
-        raise ImportError("plot_run needs matplotlib: pip install 'functrain[examples]' (or [plot])") from err
+    import_optional("matplotlib", "plot", "plot_run")
+    from matplotlib.figure import Figure
 
     panels: dict[str, list[str]] = {}
     for name in series:
