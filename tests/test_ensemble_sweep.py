@@ -107,6 +107,8 @@ def test_trainer_trains_the_grid_as_one_ensemble_and_reports_it(tmp_path, caplog
 def test_sweep_without_matplotlib_skips_the_plot_with_a_log_line(tmp_path, monkeypatch, caplog):
     import builtins
 
+    import torchmetrics  # noqa: F401  # imports matplotlib if it can: load it first, as any earlier test would
+
     real_import = builtins.__import__
 
     def no_matplotlib(name, *args, **kwargs):
