@@ -23,12 +23,13 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
+
+from functrain.optim.selection import mask_by_name
 
 __all__ = ["ModelSummary", "SummaryRow", "summary"]
 
@@ -103,22 +104,21 @@ def _cells(row: SummaryRow) -> list[str]:
 
 
 def _frozen_names(frozen: Any, names: Iterable[str]) -> set[str]:
-    """Names frozen by ``frozen``: a mask ``{name: bool}``, or names / fnmatch globs."""
+    """Names frozen by ``frozen``: a mask ``{name: bool}``, or patterns (names, fnmatch globs, compiled
+    regular expressions) as :func:`functrain.optim.mask_by_name` matches them."""
     names = list(names)
     if frozen is None:
         return set()
-    if isinstance(frozen, str):
-        frozen = [frozen]
     if isinstance(frozen, Mapping):
         unknown = sorted(set(frozen) - set(names))
         if unknown:
             raise ValueError(f"summary: frozen names {unknown[:5]} are not parameters of the model")
         return {k for k, v in frozen.items() if bool(v)}
-    patterns = list(frozen)
-    for p in patterns:
-        if not isinstance(p, str):
-            raise TypeError(f"summary: frozen must be a {{name: bool}} mask or names/globs, got {p!r}")
-    return {n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
+    try:
+        mask = mask_by_name(dict.fromkeys(names, True), frozen)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"summary: frozen must be a {{name: bool}} mask or patterns: {error}") from None
+    return {name for name, hit in mask.items() if hit}
 
 
 def _module_of(name: str, max_depth: int | None) -> str:

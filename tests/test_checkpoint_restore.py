@@ -86,6 +86,8 @@ def test_restore_moves_tensors_to_the_targets_device(tmp_path):
 def test_missing_file_is_a_checkpoint_error(tmp_path):
     with pytest.raises(checkpoint.CheckpointError, match="cannot open"):
         checkpoint.restore(tmp_path / "nope.ckpt")
+    with pytest.raises(checkpoint.CheckpointError, match=r"nope\.pt: cannot open weights file"):
+        checkpoint.load_state_dict(tmp_path / "nope.pt")
 
 
 def test_save_replaces_a_good_file_only_when_complete(tmp_path):

@@ -105,6 +105,8 @@ def test_trainer_trains_the_grid_as_one_ensemble_and_reports_it(tmp_path, caplog
 
 
 def test_sweep_without_matplotlib_skips_the_plot_with_a_log_line(tmp_path, hide_import, caplog):
+    import torchmetrics  # noqa: F401  # imports matplotlib if it can: load it first, as any earlier test would
+
     hide_import("matplotlib")
     cfg = _config(tmp_path, sweep={"optimizer.lr": [1e-3, 1e-2]}, epochs=1)
     with caplog.at_level("WARNING", logger="functrain.ensemble"):
@@ -112,6 +114,26 @@ def test_sweep_without_matplotlib_skips_the_plot_with_a_log_line(tmp_path, hide_
     assert not (tmp_path / "run" / "sweep_curves.png").exists()
     assert (tmp_path / "run" / "sweep_results.csv").exists()
     assert "matplotlib is not installed" in caplog.text
+
+
+def test_plot_sweep_draws_every_member_and_leaves_the_backend_alone(tmp_path):
+    import matplotlib
+
+    from functrain.logging import History
+
+    history = History()
+    for step in (1, 2, 3):
+        for i in range(2):
+            history.put(f"train/loss/member_{i}", 1.0 / (step + i), step)
+            history.put(f"eval/accuracy/member_{i}", 0.1 * step + i, step)
+    backend = matplotlib.get_backend()
+    try:
+        matplotlib.use("svg")  # e.g. a notebook's inline backend: plotting must not switch it to Agg
+        png = ens_sweep.plot_sweep(history, [{"seed": 0}, {"seed": 1}], tmp_path / "curves.png")
+        assert matplotlib.get_backend() == "svg"
+    finally:
+        matplotlib.use(backend)
+    assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
 
 
 def test_weight_decay_sweep_needs_an_optimizer_that_keeps_it(tmp_path):

@@ -7,6 +7,7 @@ import csv
 import io
 import json
 import math
+import sys
 from typing import ClassVar
 
 import pytest
@@ -192,6 +193,16 @@ def test_plot_takes_the_run_directory_and_leaves_eta_and_the_backend_alone(tmp_p
     finally:
         matplotlib.use(backend)
     capsys.readouterr()
+
+
+def test_plot_without_matplotlib_names_the_extra(tmp_path, monkeypatch) -> None:
+    with flog.JSONLWriter(tmp_path) as writer:
+        writer.write(1, {"train/loss": 1.0})
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    with pytest.raises(
+        ImportError, match=r'plot_run needs the matplotlib package: pip install "functrain\[plot\]"'
+    ):
+        flog.plot_run(tmp_path, tmp_path / "x.png")
 
 
 def test_plot_skips_eta_by_default(tmp_path) -> None:

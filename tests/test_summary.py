@@ -76,6 +76,10 @@ def test_state_summary_uses_the_state_dtypes_and_a_freeze_mask():
 def test_bad_frozen_names_and_targets_are_refused():
     with pytest.raises(ValueError, match=r"frozen names \['nope'\] are not parameters"):
         ft.summary(Tiny(), frozen={"nope": True})
+    with pytest.raises(ValueError, match=r"summary: frozen .*pattern 'nope\.\*' matches no parameter"):
+        ft.summary(Tiny(), frozen=["nope.*"])  # a typo, as freeze: [...] refuses it
+    with pytest.raises(TypeError, match=r"summary: frozen .*a pattern must be a str glob"):
+        ft.summary(Tiny(), frozen=[3])
     with pytest.raises(TypeError, match=r"expected an nn\.Module or a TrainState"):
         ft.summary({"w": torch.zeros(1)})
     with pytest.raises(ValueError, match="max_depth must be an int >= 1"):

@@ -90,12 +90,12 @@ def write_encoded(
         raise CheckpointError(f"{os.fspath(path)}: could not write the checkpoint: {error}") from error
 
 
-def open_for_reading(path: PathLike) -> Any:
-    """``open(path, "rb")``, or a CheckpointError naming the file."""
+def open_for_reading(path: PathLike, what: str = "checkpoint") -> Any:
+    """``open(path, "rb")``, or a CheckpointError naming the file (and ``what`` kind of file it is)."""
     try:
         return open(path, "rb")
     except OSError as error:
-        raise CheckpointError(f"{os.fspath(path)}: cannot open checkpoint: {error}") from error
+        raise CheckpointError(f"{os.fspath(path)}: cannot open {what}: {error}") from error
 
 
 def read_header(path: PathLike) -> CheckpointHeader:

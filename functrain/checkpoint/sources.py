@@ -104,11 +104,8 @@ def load_weights(
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Like :func:`load_state_dict`, also returning the checkpoint's metadata (empty for other formats)."""
     name = os.fspath(path)
-    try:
-        with open(path, "rb") as file:
-            start = file.read(len(fmt.MAGIC))
-    except OSError as error:
-        raise CheckpointError(f"{name}: cannot open weights file: {error}") from error
+    with open_for_reading(path, "weights file") as file:
+        start = file.read(len(fmt.MAGIC))
     if start == fmt.MAGIC:
         return checkpoint_weights(path, wanted)
     if name.endswith(".safetensors") or start[8:9] == b"{":
@@ -121,9 +118,8 @@ def load_weights(
     else:
         try:
             weights = torch.load(name, map_location="cpu", weights_only=True)
-        except (
-            Exception
-        ) as error:  # weights_only refuses anything but tensors (UnpicklingError), or a bad file
+        except Exception as error:
+            # weights_only refuses anything but tensors (UnpicklingError), or a bad file.
             # torch's own message is left out on purpose: it advises weights_only=False, which runs the code.
             raise CheckpointError(
                 f"{name}: not a functrain checkpoint, a safetensors file or a torch.save file of plain tensors "

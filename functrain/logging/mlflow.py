@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from functrain.logging._optional import import_optional
-from functrain.logging.writer import LazyWriter, check_scalars
+from functrain.logging.writer import RunIdWriter, check_scalars
 
 __all__ = ["MLflowWriter"]
 
 
-class MLflowWriter(LazyWriter):
+class MLflowWriter(RunIdWriter):
     """``log_batch`` of one write's scalars (with their step) into an MLflow run; ends the run on close.
 
     Args:
@@ -51,7 +51,6 @@ class MLflowWriter(LazyWriter):
         self._metric_cls = mlflow.entities.Metric
         self._param_cls = mlflow.entities.Param
         self.log_dir = Path(log_dir)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
         self.tracking_uri = tracking_uri
         self.experiment = experiment
         self.run_name = run_name
@@ -59,16 +58,12 @@ class MLflowWriter(LazyWriter):
         self.params = dict(params or {})
         self.client: Any = None
         self.run_id: str | None = None
-        super().__init__(resume_step)
-
-    @property
-    def _id_file(self) -> Path:
-        return self.log_dir / "mlflow_run_id"
+        super().__init__(log_dir, "mlflow_run_id", resume_step)
 
     def _open(self, resume_step: int | None) -> None:
         self.client = self._client_cls(tracking_uri=self.tracking_uri)
-        if resume_step is not None and self._id_file.exists():
-            self.run_id = self._id_file.read_text().strip()
+        self.run_id = self.stored_run_id(resume_step)
+        if self.run_id is not None:
             self.client.update_run(self.run_id, status="RUNNING")
             return
         experiment_id = "0"
@@ -79,7 +74,7 @@ class MLflowWriter(LazyWriter):
             )
         run = self.client.create_run(experiment_id, run_name=self.run_name, tags=self.tags)
         self.run_id = run.info.run_id
-        self._id_file.write_text(self.run_id)
+        self.store_run_id(self.run_id)
         if self.params:
             params = [self._param_cls(str(k), str(v)) for k, v in self.params.items()]
             self.client.log_batch(self.run_id, params=params)

@@ -22,10 +22,12 @@ import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+from functrain.logging._optional import import_optional
 from functrain.logging.jsonl import read_jsonl
 
-__all__ = ["find_metrics", "plot_run"]
+__all__ = ["find_metrics", "panel_figure", "plot_run", "save_figure"]
 
 _NOT_CURVES = ("time/eta_s",)
 
@@ -83,30 +85,48 @@ def plot_run(
         series = {n: v for n, v in series.items() if n not in _NOT_CURVES}
     if not series:
         raise ValueError(f"plot_run: {source} holds no scalars to plot")
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as err:
-        raise ImportError("plot_run needs matplotlib: pip install 'functrain[examples]' (or [plot])") from err
+    import_optional("matplotlib", "plot", "plot_run")
 
     panels: dict[str, list[str]] = {}
     for name in series:
         panels.setdefault(name.rsplit("/", 1)[-1], []).append(name)
-    columns = min(3, len(panels))
-    rows = math.ceil(len(panels) / columns)
-    figure = Figure(figsize=(5 * columns, 3.5 * rows))
-    axes = figure.subplots(rows, columns, squeeze=False)
-    for ax, (title, members) in zip(axes.flat, panels.items()):
+    figure, axes = panel_figure(list(panels))
+    for ax, members in zip(axes, panels.values()):
         for name in members:
             steps, values = zip(*series[name])
             ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=name)
+        ax.legend(fontsize="small")
+    return save_figure(figure, output_png)
+
+
+def panel_figure(titles: Sequence[str]) -> tuple[Any, list[Any]]:
+    """A matplotlib ``Figure`` with one panel per title (three to a row, ``step`` on the x axis) and its axes.
+
+    Built without pyplot, so no backend is chosen or changed (a notebook's stays). Needs matplotlib.
+
+    Example:
+        >>> figure, axes = panel_figure(["loss", "accuracy"])  # doctest: +SKIP
+        >>> axes[0].plot([1, 2], [0.5, 0.4])  # doctest: +SKIP
+    """
+    from matplotlib.figure import Figure
+
+    columns = max(1, min(3, len(titles)))
+    rows = max(1, math.ceil(len(titles) / columns))
+    figure = Figure(figsize=(5 * columns, 3.5 * rows))
+    axes = list(figure.subplots(rows, columns, squeeze=False).flat)
+    for ax, title in zip(axes, titles):
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
-    for ax in list(axes.flat)[len(panels) :]:
+    for ax in axes[len(titles) :]:
         ax.set_visible(False)
+    return figure, axes[: len(titles)]
+
+
+def save_figure(figure: Any, path: str | os.PathLike[str]) -> Path:
+    """Lay out ``figure`` and write it as a PNG at ``path`` (its folder made); return the path."""
     figure.tight_layout()
-    output = Path(output_png)
+    output = Path(path)
     output.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(output, dpi=100)
     return output

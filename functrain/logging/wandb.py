@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from functrain.logging._optional import import_optional
-from functrain.logging.writer import LazyWriter, check_scalars
+from functrain.logging.writer import RunIdWriter, check_scalars
 
 __all__ = ["WandbWriter"]
 
 
-class WandbWriter(LazyWriter):
+class WandbWriter(RunIdWriter):
     """``wandb.init`` at the first write, ``run.log(scalars, step=step)`` per write, ``run.finish()`` on close.
 
     Args:
@@ -51,7 +51,6 @@ class WandbWriter(LazyWriter):
     ) -> None:
         self._wandb = import_optional("wandb", "wandb", "WandbWriter")
         self.log_dir = Path(log_dir)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
         self._init_kwargs: dict[str, Any] = {
             "project": project,
             "name": name,
@@ -61,22 +60,19 @@ class WandbWriter(LazyWriter):
             **init_kwargs,
         }
         self.run: Any = None
-        super().__init__(resume_step)
-
-    @property
-    def _id_file(self) -> Path:
-        return self.log_dir / "wandb_run_id"
+        super().__init__(log_dir, "wandb_run_id", resume_step)
 
     def _open(self, resume_step: int | None) -> None:
         kwargs = {k: v for k, v in self._init_kwargs.items() if v is not None}
         kwargs.setdefault("dir", str(self.log_dir))
-        if resume_step is not None and self._id_file.exists():
-            kwargs.setdefault("id", self._id_file.read_text().strip())
+        stored = self.stored_run_id(resume_step)
+        if stored is not None:
+            kwargs.setdefault("id", stored)
             kwargs.setdefault("resume", "allow")
         self.run = self._wandb.init(**kwargs)
         run_id = getattr(self.run, "id", None)
         if run_id:
-            self._id_file.write_text(str(run_id))
+            self.store_run_id(str(run_id))
 
     def write(self, step: int, scalars: Mapping[str, float]) -> None:
         values = check_scalars(step, scalars)

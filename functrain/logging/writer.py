@@ -110,6 +110,22 @@ class FileWriter(LazyWriter):
         super().__init__(resume_step)
 
 
+class RunIdWriter(FileWriter):
+    """A :class:`FileWriter` whose file keeps the id of a run in an outside tracker (W&B, MLflow), so that a
+    resumed functrain run logs into the same tracker run instead of starting a new one.
+    """
+
+    def stored_run_id(self, resume_step: int | None) -> str | None:
+        """The id a previous run stored, when resuming (``resume_step`` is not ``None``) and there is one."""
+        if resume_step is None or not self.path.exists():
+            return None
+        return self.path.read_text().strip() or None
+
+    def store_run_id(self, run_id: str) -> None:
+        """Keep ``run_id`` for a later resume."""
+        self.path.write_text(run_id)
+
+
 class MultiWriter(WriterBase):
     """Fan one ``write`` out to several writers.
 
