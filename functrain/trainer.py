@@ -338,29 +338,33 @@ class Trainer:
         resume = self._resume_argument(manager)
         loggers = self._loggers(out / cfg.logs_dir)
         extending = additional_epochs is not None or additional_steps is not None
-        result = fit(
-            self.state,
-            self._jit("train", self.train_step),
-            self._loader(self.train_dataset, cfg.batch_size * cfg.gradient_accumulation_steps, train=True),
-            eval_step=self._jit("eval", self.eval_step) if cfg.eval_strategy != "no" else None,
-            eval_data=self._loader(self.eval_dataset, cfg.resolved_eval_batch_size, train=False)
-            if cfg.eval_strategy != "no"
-            else None,
-            epochs=None if extending else cfg.epochs,
-            max_steps=None if extending else cfg.max_steps,
-            additional_epochs=additional_epochs,
-            additional_steps=additional_steps,
-            eval_every=self._every(cfg.eval_strategy, cfg.eval_steps),
-            save_every=self._every(cfg.save_strategy, cfg.save_steps),
-            log_every=cfg.log_steps,
-            callbacks=self._callbacks(),
-            loggers=loggers,
-            checkpoints=manager,
-            resume=resume,
-            progress=cfg.progress_bar,
-        )
-        for lg in loggers:  # W&B finishes its run, MLflow marks it finished, files are closed
-            lg.close()
+        try:
+            result = fit(
+                self.state,
+                self._jit("train", self.train_step),
+                self._loader(
+                    self.train_dataset, cfg.batch_size * cfg.gradient_accumulation_steps, train=True
+                ),
+                eval_step=self._jit("eval", self.eval_step) if cfg.eval_strategy != "no" else None,
+                eval_data=self._loader(self.eval_dataset, cfg.resolved_eval_batch_size, train=False)
+                if cfg.eval_strategy != "no"
+                else None,
+                epochs=None if extending else cfg.epochs,
+                max_steps=None if extending else cfg.max_steps,
+                additional_epochs=additional_epochs,
+                additional_steps=additional_steps,
+                eval_every=self._every(cfg.eval_strategy, cfg.eval_steps),
+                save_every=self._every(cfg.save_strategy, cfg.save_steps),
+                log_every=cfg.log_steps,
+                callbacks=self._callbacks(),
+                loggers=loggers,
+                checkpoints=manager,
+                resume=resume,
+                progress=cfg.progress_bar,
+            )
+        finally:  # also when training fails or is interrupted: W&B finishes its run, MLflow marks it
+            for lg in loggers:  # finished, files are closed
+                lg.close()
         state = result.state
         if cfg.load_best_model_at_end and manager.best() is not None:
             best = manager.restore("best")["state"]
