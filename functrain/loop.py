@@ -666,8 +666,11 @@ def _nothing_to_do(
     )
 
 
-def _onto(target: Any, saved: Any) -> Any:
-    """Put a checkpoint's plain containers back into ``target``'s structure, checking every leaf."""
+def _onto(target: Any, saved: Any, where: str = "state") -> Any:
+    """Put a checkpoint's plain containers back into ``target``'s structure, checking every leaf.
+
+    ``where`` names ``target`` in the errors (``"state.params"`` when restoring only the parameters).
+    """
     problems: list[str] = []
 
     def pick(path: tuple, leaf: Any) -> Any:
@@ -676,17 +679,17 @@ def _onto(target: Any, saved: Any) -> Any:
             try:
                 node = node[key]
             except (KeyError, IndexError, TypeError):
-                problems.append(f"missing in checkpoint: state.{tree.path_str(path)}")
+                problems.append(f"missing in checkpoint: {where}.{tree.path_str(path)}")
                 return leaf
         if isinstance(leaf, torch.Tensor):
             if not isinstance(node, torch.Tensor):
                 problems.append(
-                    f"state.{tree.path_str(path)}: checkpoint holds {type(node).__name__}, not a tensor"
+                    f"{where}.{tree.path_str(path)}: checkpoint holds {type(node).__name__}, not a tensor"
                 )
                 return leaf
             if node.shape != leaf.shape or node.dtype != leaf.dtype:
                 problems.append(
-                    f"state.{tree.path_str(path)}: checkpoint {node.dtype} {list(node.shape)}, "
+                    f"{where}.{tree.path_str(path)}: checkpoint {node.dtype} {list(node.shape)}, "
                     f"model {leaf.dtype} {list(leaf.shape)}"
                 )
                 return leaf

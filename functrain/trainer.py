@@ -35,7 +35,7 @@ from functrain import logging as ftlog
 from functrain.config import ConfigError, TrainerConfig
 from functrain.ensemble import sweep as ensemble_sweep
 from functrain.jit import jit
-from functrain.loop import FitResult, evaluate, fit
+from functrain.loop import FitResult, _onto, evaluate, fit
 from functrain.model_summary import summary
 from functrain.precision import LossScale
 from functrain.state import TrainState
@@ -369,13 +369,11 @@ class Trainer:
         if cfg.load_best_model_at_end and manager.best() is not None:
             best = manager.restore("best")["state"]
             state = state.replace(
-                params=self._onto(state.params, best["params"]),
-                buffers=self._onto(state.buffers, best["buffers"]),
+                params=_onto(state.params, best["params"], "state.params"),
+                buffers=_onto(state.buffers, best["buffers"], "state.buffers"),
             )
             if cfg.ema is not None:  # and the best checkpoint's average
-                from functrain.loop import _onto
-
-                state = state.replace(opt_state=_onto(state, best).opt_state)
+                state = state.replace(opt_state=_onto(state.opt_state, best["opt_state"], "state.opt_state"))
             result.state = state
         self.state = state
         self.result = result
@@ -416,8 +414,6 @@ class Trainer:
         """Load a state saved by :meth:`save` (or a checkpoint of ``fit``) onto this trainer's state."""
         raw = checkpoint.restore(path)
         raw = raw.get("state", raw) if isinstance(raw, dict) else raw
-        from functrain.loop import _onto
-
         self.state = _onto(self.state, raw)
         return self.state
 
@@ -665,12 +661,6 @@ class Trainer:
                 "resume_from_checkpoint", f"no checkpoint at {r}", "give an existing checkpoint file or true"
             )
         return os.fspath(path)
-
-    @staticmethod
-    def _onto(
-        target: Mapping[str, torch.Tensor], saved: Mapping[str, torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
-        return {k: saved[k].to(v.device) for k, v in target.items()}
 
     # ------------------------------------------------------------------------------ sweeps
 
