@@ -14,6 +14,7 @@ import functrain as ft
 from functrain.cli import main as cli
 from functrain.config import ConfigError
 from functrain.ensemble import sweep as ens_sweep
+from functrain.logging import History
 
 HERE = Path(__file__).parent
 
@@ -181,3 +182,22 @@ def test_sweep_notebook_executes_headless(tmp_path, monkeypatch):
         nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
     ).execute()
     assert (tmp_path / "curves.png").stat().st_size > 1000  # execute() raised on any error cell
+
+
+def test_plot_sweep_draws_every_member_and_keeps_the_matplotlib_backend(tmp_path):
+    matplotlib = pytest.importorskip("matplotlib")
+    history = History()
+    for step in (1, 2, 3):
+        for i in range(2):
+            history.put(f"train/loss/member_{i}", 1.0 / (step + i), step)
+            history.put(f"eval/accuracy/member_{i}", 0.5 + 0.1 * step * i, step)
+    backend = matplotlib.get_backend()
+    try:
+        matplotlib.use("svg")  # e.g. a notebook's inline backend: a sweep's plot must not switch it to Agg
+        png = ens_sweep.plot_sweep(
+            history, [{"optimizer.lr": 1e-3}, {"optimizer.lr": 1e-2}], tmp_path / "c.png"
+        )
+        assert matplotlib.get_backend() == "svg"
+    finally:
+        matplotlib.use(backend)
+    assert png == tmp_path / "c.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

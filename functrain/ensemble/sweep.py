@@ -30,6 +30,7 @@ from functrain import optim
 from functrain.ensemble.stacked import create
 from functrain.logging.history import History
 from functrain.logging.members import lower_is_better, member_key
+from functrain.logging.plot import save_panels
 from functrain.state import TrainState
 
 __all__ = ["best_index", "grid", "label", "plot_sweep", "results", "sweep_state", "write_results"]
@@ -204,35 +205,20 @@ def plot_sweep(
 ) -> Path | None:
     """Every member's curves (one panel per scalar, one line per member, labelled by its swept values) as a
     PNG at ``path``; ``None`` (and a log line) when matplotlib is not installed."""
+    names = _scalar_names(history)
+    if not names:
+        return None
+    panels = {
+        name: [
+            (label(values) or f"member {i}", history.series(member_key(name, i)))
+            for i, values in enumerate(members)
+        ]
+        for name in names
+    }
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        return save_panels(panels, path, legend_on_every_panel=False)
     except ImportError:
         log.warning(
             "sweep: matplotlib is not installed, so no plot of the curves (pip install 'functrain[plot]')"
         )
         return None
-    names = _scalar_names(history)
-    if not names:
-        return None
-    columns = min(3, len(names))
-    rows = math.ceil(len(names) / columns)
-    figure, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.5 * rows), squeeze=False)
-    for ax, name in zip(axes.flat, names):
-        for i, values in enumerate(members):
-            steps, ys = zip(*history.series(member_key(name, i)))
-            ax.plot(steps, ys, label=label(values) or f"member {i}")
-        ax.set_title(name)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-    axes.flat[0].legend(fontsize="x-small")
-    for ax in list(axes.flat)[len(names) :]:
-        ax.set_visible(False)
-    figure.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=100)
-    plt.close(figure)
-    return out

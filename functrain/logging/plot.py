@@ -20,12 +20,12 @@ from __future__ import annotations
 import difflib
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from functrain.logging.jsonl import read_jsonl
 
-__all__ = ["find_metrics", "plot_run"]
+__all__ = ["find_metrics", "plot_run", "save_panels"]
 
 _NOT_CURVES = ("time/eta_s",)
 
@@ -83,26 +83,49 @@ def plot_run(
         series = {n: v for n, v in series.items() if n not in _NOT_CURVES}
     if not series:
         raise ValueError(f"plot_run: {source} holds no scalars to plot")
+    panels: dict[str, list[tuple[str, list[tuple[int, float]]]]] = {}
+    for name, points in series.items():
+        panels.setdefault(name.rsplit("/", 1)[-1], []).append((name, points))
     try:
-        from matplotlib.figure import Figure
+        return save_panels(panels, output_png)
     except ImportError as err:
         raise ImportError("plot_run needs matplotlib: pip install 'functrain[examples]' (or [plot])") from err
 
-    panels: dict[str, list[str]] = {}
-    for name in series:
-        panels.setdefault(name.rsplit("/", 1)[-1], []).append(name)
+
+def save_panels(
+    panels: Mapping[str, Sequence[tuple[str, Sequence[tuple[int, float]]]]],
+    output_png: str | os.PathLike[str],
+    *,
+    legend_on_every_panel: bool = True,
+) -> Path:
+    """Draw ``{panel title: [(line label, [(step, value), ...]), ...]}`` as a grid of panels (three a row) to
+    ``output_png``; return its path. Uses matplotlib without pyplot (a notebook's backend stays as it was);
+    raises ``ImportError`` when matplotlib is not installed. ``legend_on_every_panel=False`` puts the
+    legend on the first panel only (when every panel has the same lines, as in a sweep).
+
+    Example:
+        >>> import tempfile
+        >>> png = save_panels({"loss": [("train/loss", [(1, 1.0), (2, 0.5)])]}, f"{tempfile.mkdtemp()}/c.png")
+        >>> png.stat().st_size > 0
+        True
+    """
+    from matplotlib.figure import Figure
+
     columns = min(3, len(panels))
     rows = math.ceil(len(panels) / columns)
     figure = Figure(figsize=(5 * columns, 3.5 * rows))
     axes = figure.subplots(rows, columns, squeeze=False)
-    for ax, (title, members) in zip(axes.flat, panels.items()):
-        for name in members:
-            steps, values = zip(*series[name])
+    for ax, (title, lines) in zip(axes.flat, panels.items()):
+        for name, points in lines:
+            steps, values = zip(*points)
             ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=name)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
+        if legend_on_every_panel:
+            ax.legend(fontsize="small")
+    if not legend_on_every_panel:
+        axes.flat[0].legend(fontsize="x-small")
     for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     figure.tight_layout()
