@@ -85,6 +85,7 @@ def sweep_state(
     every member starts from ``model``'s weights with the key of ``seed``.
 
     Example:
+        >>> import functrain as ft
         >>> state = sweep_state(torch.nn.Linear(2, 1), ft.optim.adamw(1e-3), grid({"optimizer.lr": [1e-3, 1e-2]}), seed=0)
         >>> ft.optim.hyperparams(state.opt_state)["learning_rate"]
         tensor([0.0010, 0.0100])
