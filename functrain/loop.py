@@ -34,7 +34,7 @@ import torch
 from functrain import distributed, random, tree
 from functrain.callbacks.base import Callback, Context
 from functrain.data import DataPosition, Loader
-from functrain.ensemble.stacked import is_ensemble, run_key, size
+from functrain.ensemble.stacked import is_ensemble, run_key, run_step, size
 from functrain.logging import History
 from functrain.logging.members import expand_members
 
@@ -480,7 +480,7 @@ def fit(
     elif resume is not False and manager is None:
         raise ValueError("fit: resume needs checkpoints=CheckpointManager(...) (or a directory)")
 
-    host_step = int(state.step.reshape(-1)[0])  # an ensemble's members share their step count
+    host_step = run_step(state)
     if restored_path is None and host_step > 0 and bpe is not None:
         position = DataPosition.from_batch_count(host_step, bpe)  # continue the stream, as a resume would
     num_epochs, total = _run_length(

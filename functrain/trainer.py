@@ -35,7 +35,7 @@ from functrain import logging as ftlog
 from functrain.config import ConfigError, TrainerConfig
 from functrain.ensemble import sweep as ensemble_sweep
 from functrain.jit import jit
-from functrain.loop import FitResult, _onto, evaluate, fit
+from functrain.loop import _DATA_KEY, FitResult, _onto, evaluate, fit
 from functrain.model_summary import summary
 from functrain.precision import LossScale
 from functrain.state import TrainState
@@ -394,8 +394,9 @@ class Trainer:
         loader = self._loader(dataset, self.config.resolved_eval_batch_size, train=False)
         return evaluate(self._eval_state(), self._jit("eval", self.eval_step), loader)
 
-    def predict(self, dataset: Any) -> torch.Tensor:
-        """The model's outputs on every example of ``dataset``, concatenated (inputs taken as in training)."""
+    def predict(self, dataset: Any) -> Any:
+        """The model's outputs on every example of ``dataset``, concatenated (inputs taken as in training);
+        after a sweep, ``{"members": [examples, n, ...], "mean": [examples, ...]}``."""
         from functrain.loop import predict
 
         loader = self._loader(dataset, self.config.resolved_eval_batch_size, train=False)
@@ -406,7 +407,7 @@ class Trainer:
         checkpoint.save(
             path,
             self.state,
-            step=int(self.state.step.reshape(-1)[0]),  # a sweep's members share their step count
+            step=ensemble.run_step(self.state),
             metadata={"tied_parameters": dict(self.state.tied)},
         )
 
@@ -579,7 +580,7 @@ class Trainer:
             dataset,
             batch_size,
             shuffle=cfg.shuffle if train else False,
-            key=random.fold_in(ensemble.run_key(self.state), 0xDA7A) if train else None,
+            key=random.fold_in(ensemble.run_key(self.state), _DATA_KEY) if train else None,
             drop_last=cfg.drop_last if train else False,
             collate_fn=self.data_collator,
             num_workers=cfg.num_workers,

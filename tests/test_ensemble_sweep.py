@@ -157,6 +157,10 @@ def test_cli_runs_a_3x3_digits_sweep_in_one_process_and_picks_the_best(tmp_path,
     assert max(finals) > 0.8  # digits learn within 2 epochs at the best learning rate
     saved = ft.TrainerConfig.from_yaml(out / "config.yaml")
     assert saved.sweep == {"optimizer.lr": [1e-3, 3e-3, 1e-2], "seed": [0, 1, 2]}
+    # predictions of every member from the run's checkpoint (its step: the members' shared count)
+    preds = tmp_path / "preds.ckpt"
+    assert cli(["predict", str(out / "config.yaml"), "--split", "eval", "--output", str(preds)]) == 0
+    assert ft.checkpoint.restore(preds)["preds"]["members"].shape[1] == 9
 
 
 def test_cli_refuses_a_sweep_of_a_field_outside_the_state(tmp_path, capsys, monkeypatch):
