@@ -94,7 +94,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.config is None:
         print("functrain train: give a CONFIG.yaml (or --help-config)", file=sys.stderr)
         return 2
-    from functrain import distributed
+    from functrain import distributed, ensemble
 
     with distributed.initialize():  # torchrun: one process per device; plain python: a no-op
         trainer = _build_trainer(args.config, [*args.overrides, *(f"sweep.{s}" for s in args.sweep)])
@@ -107,7 +107,7 @@ def _train(args: argparse.Namespace) -> int:
                 {k.replace("eval/", "test/"): v for k, v in trainer.evaluate(trainer.test_dataset).items()}
             )
         if distributed.is_main_process():
-            step = int(result.state.step.reshape(-1)[0])  # a sweep's members share their step count
+            step = ensemble.run_step(result.state)
             if trainer.config.sweep:
                 best = trainer.sweep_best
                 summary = {"best_member": best, **trainer.sweep_members[best], **summary}
@@ -127,7 +127,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _predict(args: argparse.Namespace) -> int:
-    from functrain import checkpoint
+    from functrain import checkpoint, ensemble, tree
 
     trainer = _build_trainer(args.config, args.overrides)
     trainer.load(args.checkpoint or _latest_checkpoint(trainer))
@@ -138,9 +138,9 @@ def _predict(args: argparse.Namespace) -> int:
         print(f"functrain predict: the config has no {args.split}_dataset", file=sys.stderr)
         return 2
     preds = trainer.predict(dataset)
-    checkpoint.save(args.output, {"preds": preds}, step=int(trainer.state.step))
+    checkpoint.save(args.output, {"preds": preds}, step=ensemble.run_step(trainer.state))
     print(
-        f"wrote {tuple(preds.shape)} predictions to {args.output}; read them with "
+        f"wrote {tree.map(lambda x: tuple(x.shape), preds)} predictions to {args.output}; read them with "
         f"functrain.checkpoint.restore({args.output!r})['preds']"
     )
     return 0

@@ -34,7 +34,7 @@ import torch
 from functrain import distributed, random, tree
 from functrain.callbacks.base import Callback, Context
 from functrain.data import DataPosition, Loader
-from functrain.ensemble.stacked import is_ensemble, run_key, size
+from functrain.ensemble.stacked import is_ensemble, run_key, run_step, size
 from functrain.logging import History
 from functrain.logging.members import expand_members
 
@@ -480,7 +480,7 @@ def fit(
     elif resume is not False and manager is None:
         raise ValueError("fit: resume needs checkpoints=CheckpointManager(...) (or a directory)")
 
-    host_step = int(state.step.reshape(-1)[0])  # an ensemble's members share their step count
+    host_step = run_step(state)
     if restored_path is None and host_step > 0 and bpe is not None:
         position = DataPosition.from_batch_count(host_step, bpe)  # continue the stream, as a resume would
     num_epochs, total = _run_length(
@@ -666,8 +666,11 @@ def _nothing_to_do(
     )
 
 
-def _onto(target: Any, saved: Any) -> Any:
-    """Put a checkpoint's plain containers back into ``target``'s structure, checking every leaf."""
+def _onto(target: Any, saved: Any, where: str = "state") -> Any:
+    """Put a checkpoint's plain containers back into ``target``'s structure, checking every leaf.
+
+    ``where`` names ``target`` in the errors (``"state.params"`` when restoring only the parameters).
+    """
     problems: list[str] = []
 
     def pick(path: tuple, leaf: Any) -> Any:
@@ -676,17 +679,17 @@ def _onto(target: Any, saved: Any) -> Any:
             try:
                 node = node[key]
             except (KeyError, IndexError, TypeError):
-                problems.append(f"missing in checkpoint: state.{tree.path_str(path)}")
+                problems.append(f"missing in checkpoint: {where}.{tree.path_str(path)}")
                 return leaf
         if isinstance(leaf, torch.Tensor):
             if not isinstance(node, torch.Tensor):
                 problems.append(
-                    f"state.{tree.path_str(path)}: checkpoint holds {type(node).__name__}, not a tensor"
+                    f"{where}.{tree.path_str(path)}: checkpoint holds {type(node).__name__}, not a tensor"
                 )
                 return leaf
             if node.shape != leaf.shape or node.dtype != leaf.dtype:
                 problems.append(
-                    f"state.{tree.path_str(path)}: checkpoint {node.dtype} {list(node.shape)}, "
+                    f"{where}.{tree.path_str(path)}: checkpoint {node.dtype} {list(node.shape)}, "
                     f"model {leaf.dtype} {list(leaf.shape)}"
                 )
                 return leaf

@@ -35,7 +35,7 @@ from functrain import logging as ftlog
 from functrain.config import ConfigError, TrainerConfig
 from functrain.ensemble import sweep as ensemble_sweep
 from functrain.jit import jit
-from functrain.loop import FitResult, evaluate, fit
+from functrain.loop import _DATA_KEY, FitResult, _onto, evaluate, fit
 from functrain.model_summary import summary
 from functrain.precision import LossScale
 from functrain.state import TrainState
@@ -338,40 +338,42 @@ class Trainer:
         resume = self._resume_argument(manager)
         loggers = self._loggers(out / cfg.logs_dir)
         extending = additional_epochs is not None or additional_steps is not None
-        result = fit(
-            self.state,
-            self._jit("train", self.train_step),
-            self._loader(self.train_dataset, cfg.batch_size * cfg.gradient_accumulation_steps, train=True),
-            eval_step=self._jit("eval", self.eval_step) if cfg.eval_strategy != "no" else None,
-            eval_data=self._loader(self.eval_dataset, cfg.resolved_eval_batch_size, train=False)
-            if cfg.eval_strategy != "no"
-            else None,
-            epochs=None if extending else cfg.epochs,
-            max_steps=None if extending else cfg.max_steps,
-            additional_epochs=additional_epochs,
-            additional_steps=additional_steps,
-            eval_every=self._every(cfg.eval_strategy, cfg.eval_steps),
-            save_every=self._every(cfg.save_strategy, cfg.save_steps),
-            log_every=cfg.log_steps,
-            callbacks=self._callbacks(),
-            loggers=loggers,
-            checkpoints=manager,
-            resume=resume,
-            progress=cfg.progress_bar,
-        )
-        for lg in loggers:  # W&B finishes its run, MLflow marks it finished, files are closed
-            lg.close()
+        try:
+            result = fit(
+                self.state,
+                self._jit("train", self.train_step),
+                self._loader(
+                    self.train_dataset, cfg.batch_size * cfg.gradient_accumulation_steps, train=True
+                ),
+                eval_step=self._jit("eval", self.eval_step) if cfg.eval_strategy != "no" else None,
+                eval_data=self._loader(self.eval_dataset, cfg.resolved_eval_batch_size, train=False)
+                if cfg.eval_strategy != "no"
+                else None,
+                epochs=None if extending else cfg.epochs,
+                max_steps=None if extending else cfg.max_steps,
+                additional_epochs=additional_epochs,
+                additional_steps=additional_steps,
+                eval_every=self._every(cfg.eval_strategy, cfg.eval_steps),
+                save_every=self._every(cfg.save_strategy, cfg.save_steps),
+                log_every=cfg.log_steps,
+                callbacks=self._callbacks(),
+                loggers=loggers,
+                checkpoints=manager,
+                resume=resume,
+                progress=cfg.progress_bar,
+            )
+        finally:  # also when training fails or is interrupted: W&B finishes its run, MLflow marks it
+            for lg in loggers:  # finished, files are closed
+                lg.close()
         state = result.state
         if cfg.load_best_model_at_end and manager.best() is not None:
             best = manager.restore("best")["state"]
             state = state.replace(
-                params=self._onto(state.params, best["params"]),
-                buffers=self._onto(state.buffers, best["buffers"]),
+                params=_onto(state.params, best["params"], "state.params"),
+                buffers=_onto(state.buffers, best["buffers"], "state.buffers"),
             )
             if cfg.ema is not None:  # and the best checkpoint's average
-                from functrain.loop import _onto
-
-                state = state.replace(opt_state=_onto(state, best).opt_state)
+                state = state.replace(opt_state=_onto(state.opt_state, best["opt_state"], "state.opt_state"))
             result.state = state
         self.state = state
         self.result = result
@@ -392,8 +394,9 @@ class Trainer:
         loader = self._loader(dataset, self.config.resolved_eval_batch_size, train=False)
         return evaluate(self._eval_state(), self._jit("eval", self.eval_step), loader)
 
-    def predict(self, dataset: Any) -> torch.Tensor:
-        """The model's outputs on every example of ``dataset``, concatenated (inputs taken as in training)."""
+    def predict(self, dataset: Any) -> Any:
+        """The model's outputs on every example of ``dataset``, concatenated (inputs taken as in training);
+        after a sweep, ``{"members": [examples, n, ...], "mean": [examples, ...]}``."""
         from functrain.loop import predict
 
         loader = self._loader(dataset, self.config.resolved_eval_batch_size, train=False)
@@ -404,7 +407,7 @@ class Trainer:
         checkpoint.save(
             path,
             self.state,
-            step=int(self.state.step.reshape(-1)[0]),  # a sweep's members share their step count
+            step=ensemble.run_step(self.state),
             metadata={"tied_parameters": dict(self.state.tied)},
         )
 
@@ -412,8 +415,6 @@ class Trainer:
         """Load a state saved by :meth:`save` (or a checkpoint of ``fit``) onto this trainer's state."""
         raw = checkpoint.restore(path)
         raw = raw.get("state", raw) if isinstance(raw, dict) else raw
-        from functrain.loop import _onto
-
         self.state = _onto(self.state, raw)
         return self.state
 
@@ -579,7 +580,7 @@ class Trainer:
             dataset,
             batch_size,
             shuffle=cfg.shuffle if train else False,
-            key=random.fold_in(ensemble.run_key(self.state), 0xDA7A) if train else None,
+            key=random.fold_in(ensemble.run_key(self.state), _DATA_KEY) if train else None,
             drop_last=cfg.drop_last if train else False,
             collate_fn=self.data_collator,
             num_workers=cfg.num_workers,
@@ -661,12 +662,6 @@ class Trainer:
                 "resume_from_checkpoint", f"no checkpoint at {r}", "give an existing checkpoint file or true"
             )
         return os.fspath(path)
-
-    @staticmethod
-    def _onto(
-        target: Mapping[str, torch.Tensor], saved: Mapping[str, torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
-        return {k: saved[k].to(v.device) for k, v in target.items()}
 
     # ------------------------------------------------------------------------------ sweeps
 

@@ -336,3 +336,16 @@ def test_docstring_examples(name):
         importlib.import_module(name), extraglobs=globs, optionflags=doctest.NORMALIZE_WHITESPACE
     )
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_run_step_is_the_members_shared_step_count():
+    model = torch.nn.Linear(4, 3)
+    state = ft.ensemble.create(model, ft.optim.sgd(0.1), n=3)
+    step = ft.jit(
+        ft.ensemble.step(ft.make_train_step(model, ft.supervised_loss(F.cross_entropy))), compile=False
+    )
+    for _ in range(2):
+        state, _ = step(state, (torch.randn(8, 4), torch.randint(0, 3, (8,))))
+    assert state.step.shape == (3,) and ft.ensemble.run_step(state) == 2
+    single = ft.TrainState.create(model, ft.optim.sgd(0.1))
+    assert ft.ensemble.run_step(single) == 0

@@ -14,6 +14,7 @@ import functrain as ft
 from functrain.cli import main as cli
 from functrain.config import ConfigError
 from functrain.ensemble import sweep as ens_sweep
+from functrain.logging import History
 
 HERE = Path(__file__).parent
 
@@ -119,8 +120,6 @@ def test_sweep_without_matplotlib_skips_the_plot_with_a_log_line(tmp_path, hide_
 def test_plot_sweep_draws_every_member_and_leaves_the_backend_alone(tmp_path):
     import matplotlib
 
-    from functrain.logging import History
-
     history = History()
     for step in (1, 2, 3):
         for i in range(2):
@@ -133,7 +132,11 @@ def test_plot_sweep_draws_every_member_and_leaves_the_backend_alone(tmp_path):
         assert matplotlib.get_backend() == "svg"
     finally:
         matplotlib.use(backend)
-    assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+    assert (
+        png == tmp_path / "curves.png"
+        and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        and png.stat().st_size > 1000
+    )
 
 
 def test_weight_decay_sweep_needs_an_optimizer_that_keeps_it(tmp_path):
@@ -169,6 +172,10 @@ def test_cli_runs_a_3x3_digits_sweep_in_one_process_and_picks_the_best(tmp_path,
     assert max(finals) > 0.8  # digits learn within 2 epochs at the best learning rate
     saved = ft.TrainerConfig.from_yaml(out / "config.yaml")
     assert saved.sweep == {"optimizer.lr": [1e-3, 3e-3, 1e-2], "seed": [0, 1, 2]}
+    # predictions of every member from the run's checkpoint (its step: the members' shared count)
+    preds = tmp_path / "preds.ckpt"
+    assert cli(["predict", str(out / "config.yaml"), "--split", "eval", "--output", str(preds)]) == 0
+    assert ft.checkpoint.restore(preds)["preds"]["members"].shape[1] == 9
 
 
 def test_cli_refuses_a_sweep_of_a_field_outside_the_state(tmp_path, capsys, monkeypatch):

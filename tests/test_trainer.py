@@ -419,3 +419,29 @@ def test_compile_cache_in_the_run_directory_is_opt_in(tmp_path: Path):
     trainer._check_output_dir(tmp_path / "run")
     eager = ft.Trainer(SmallNet(), small_config(tmp_path / "e", eval_strategy="no"), make_dataset(32))
     assert eager._jit("train", eager.train_step).cache_dir is None
+
+
+def test_train_closes_its_loggers_when_training_fails(tmp_path: Path, monkeypatch):
+    class Failing(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 64
+
+        def __getitem__(self, i: int):
+            if i >= 32:
+                raise RuntimeError("broken example")
+            return make_dataset(64)[i]
+
+    closed: list[str] = []
+    made = ft.Trainer._loggers
+
+    def recording(self, log_dir):
+        loggers = made(self, log_dir)
+        for lg in loggers:
+            monkeypatch.setattr(lg, "close", lambda lg=lg: closed.append(type(lg).__name__))
+        return loggers
+
+    monkeypatch.setattr(ft.Trainer, "_loggers", recording)
+    trainer = ft.Trainer(SmallNet(), small_config(tmp_path), Failing(), make_dataset(40, seed=1))
+    with pytest.raises(RuntimeError, match="broken example"):
+        trainer.train()
+    assert sorted(closed) == ["CSVWriter", "JSONLWriter", "TensorBoardWriter"]

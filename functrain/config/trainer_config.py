@@ -117,7 +117,8 @@ def _normalize_spec(value: Any, path: str) -> Any:
     return spec
 
 
-def _normalize_early_stopping(value: Any, path: str) -> Any:
+def _false_is_off(value: Any, path: str) -> Any:
+    """An optional section (early_stopping, ema) written as ``false`` is off, as ``null`` is."""
     return None if value is False else value
 
 
@@ -185,7 +186,7 @@ class TrainerConfig(ConfigSection):
     early_stopping: EarlyStoppingConfig | None = option(
         None,
         doc="Stop when an evaluation result stops improving; null: off.",
-        normalize=_normalize_early_stopping,
+        normalize=_false_is_off,
     )
     # -- checkpoints
     save_strategy: Strategy = option(
@@ -254,7 +255,7 @@ class TrainerConfig(ConfigSection):
     ema: EmaConfig | None = option(
         None,
         doc="Keep an exponential moving average of the weights; null: off.",
-        normalize=_normalize_early_stopping,
+        normalize=_false_is_off,
     )
     # -- objects for config-file driven runs (import specs, see functrain.config.imports)
     model: ImportSpec | None = option(

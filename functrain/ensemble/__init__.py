@@ -21,7 +21,17 @@ Example:
 """
 
 from functrain.ensemble import sweep
-from functrain.ensemble.stacked import create, initialise, is_ensemble, member, members, run_key, size, stack
+from functrain.ensemble.stacked import (
+    create,
+    initialise,
+    is_ensemble,
+    member,
+    members,
+    run_key,
+    run_step,
+    size,
+    stack,
+)
 from functrain.ensemble.steps import MemberMetrics, eval_step, predict_step, step, vmap_members
 
 __all__ = [
@@ -34,6 +44,7 @@ __all__ = [
     "members",
     "predict_step",
     "run_key",
+    "run_step",
     "size",
     "stack",
     "step",

@@ -31,7 +31,7 @@ from functrain import optim, tree
 from functrain.optim import GradientTransformation
 from functrain.state import TrainState
 
-__all__ = ["create", "initialise", "is_ensemble", "member", "members", "run_key", "size", "stack"]
+__all__ = ["create", "initialise", "is_ensemble", "member", "members", "run_key", "run_step", "size", "stack"]
 
 
 def is_ensemble(state: Any) -> bool:
@@ -64,6 +64,18 @@ def run_key(state: Any) -> torch.Tensor:
     see the same batches)."""
     rng = state.rng
     return rng[0] if rng.ndim == 2 else rng
+
+
+def run_step(state: Any) -> int:
+    """The run's optimizer step count as an int (one host sync): the state's step, or member 0's for an
+    ensemble (all members step together).
+
+    Example:
+        >>> import functrain as ft
+        >>> run_step(ft.ensemble.create(torch.nn.Linear(2, 1), ft.optim.sgd(0.1), n=3))
+        0
+    """
+    return int(state.step.reshape(-1)[0])
 
 
 def initialise(model: nn.Module, seed: int) -> nn.Module:

@@ -30,7 +30,7 @@ from functrain import optim
 from functrain.ensemble.stacked import create
 from functrain.logging.history import History
 from functrain.logging.members import lower_is_better, member_key
-from functrain.logging.plot import panel_figure, save_figure
+from functrain.logging.plot import save_panels
 from functrain.state import TrainState
 
 __all__ = ["best_index", "grid", "label", "plot_sweep", "results", "sweep_state", "write_results"]
@@ -85,6 +85,7 @@ def sweep_state(
     every member starts from ``model``'s weights with the key of ``seed``.
 
     Example:
+        >>> import functrain as ft
         >>> state = sweep_state(torch.nn.Linear(2, 1), ft.optim.adamw(1e-3), grid({"optimizer.lr": [1e-3, 1e-2]}), seed=0)
         >>> ft.optim.hyperparams(state.opt_state)["learning_rate"]
         tensor([0.0010, 0.0100])
@@ -205,20 +206,20 @@ def plot_sweep(
 ) -> Path | None:
     """Every member's curves (one panel per scalar, one line per member, labelled by its swept values) as a
     PNG at ``path``; ``None`` (and a log line) when matplotlib is not installed."""
+    names = _scalar_names(history)
+    if not names:
+        return None
+    panels = {
+        name: [
+            (label(values) or f"member {i}", history.series(member_key(name, i)))
+            for i, values in enumerate(members)
+        ]
+        for name in names
+    }
     try:
-        import matplotlib  # noqa: F401
+        return save_panels(panels, path, legend_on_every_panel=False)
     except ImportError:
         log.warning(
             "sweep: matplotlib is not installed, so no plot of the curves (pip install 'functrain[plot]')"
         )
         return None
-    names = _scalar_names(history)
-    if not names:
-        return None
-    figure, axes = panel_figure(names)
-    for ax, name in zip(axes, names):
-        for i, values in enumerate(members):
-            steps, ys = zip(*history.series(member_key(name, i)))
-            ax.plot(steps, ys, label=label(values) or f"member {i}")
-    axes[0].legend(fontsize="x-small")
-    return save_figure(figure, path)

@@ -20,14 +20,13 @@ from __future__ import annotations
 import difflib
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 from functrain.logging._optional import import_optional
 from functrain.logging.jsonl import read_jsonl
 
-__all__ = ["find_metrics", "panel_figure", "plot_run", "save_figure"]
+__all__ = ["find_metrics", "plot_run", "save_panels"]
 
 _NOT_CURVES = ("time/eta_s",)
 
@@ -85,48 +84,51 @@ def plot_run(
         series = {n: v for n, v in series.items() if n not in _NOT_CURVES}
     if not series:
         raise ValueError(f"plot_run: {source} holds no scalars to plot")
+    panels: dict[str, list[tuple[str, list[tuple[int, float]]]]] = {}
+    for name, points in series.items():
+        panels.setdefault(name.rsplit("/", 1)[-1], []).append((name, points))
     import_optional("matplotlib", "plot", "plot_run")
-
-    panels: dict[str, list[str]] = {}
-    for name in series:
-        panels.setdefault(name.rsplit("/", 1)[-1], []).append(name)
-    figure, axes = panel_figure(list(panels))
-    for ax, members in zip(axes, panels.values()):
-        for name in members:
-            steps, values = zip(*series[name])
-            ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=name)
-        ax.legend(fontsize="small")
-    return save_figure(figure, output_png)
+    return save_panels(panels, output_png)
 
 
-def panel_figure(titles: Sequence[str]) -> tuple[Any, list[Any]]:
-    """A matplotlib ``Figure`` with one panel per title (three to a row, ``step`` on the x axis) and its axes.
-
-    Built without pyplot, so no backend is chosen or changed (a notebook's stays). Needs matplotlib.
+def save_panels(
+    panels: Mapping[str, Sequence[tuple[str, Sequence[tuple[int, float]]]]],
+    output_png: str | os.PathLike[str],
+    *,
+    legend_on_every_panel: bool = True,
+) -> Path:
+    """Draw ``{panel title: [(line label, [(step, value), ...]), ...]}`` as a grid of panels (three a row) to
+    ``output_png``; return its path. Uses matplotlib without pyplot (a notebook's backend stays as it was);
+    raises ``ImportError`` when matplotlib is not installed. ``legend_on_every_panel=False`` puts the
+    legend on the first panel only (when every panel has the same lines, as in a sweep).
 
     Example:
-        >>> figure, axes = panel_figure(["loss", "accuracy"])  # doctest: +SKIP
-        >>> axes[0].plot([1, 2], [0.5, 0.4])  # doctest: +SKIP
+        >>> import tempfile
+        >>> png = save_panels({"loss": [("train/loss", [(1, 1.0), (2, 0.5)])]}, f"{tempfile.mkdtemp()}/c.png")
+        >>> png.stat().st_size > 0
+        True
     """
     from matplotlib.figure import Figure
 
-    columns = max(1, min(3, len(titles)))
-    rows = max(1, math.ceil(len(titles) / columns))
+    columns = min(3, len(panels))
+    rows = math.ceil(len(panels) / columns)
     figure = Figure(figsize=(5 * columns, 3.5 * rows))
-    axes = list(figure.subplots(rows, columns, squeeze=False).flat)
-    for ax, title in zip(axes, titles):
+    axes = figure.subplots(rows, columns, squeeze=False)
+    for ax, (title, lines) in zip(axes.flat, panels.items()):
+        for name, points in lines:
+            steps, values = zip(*points)
+            ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=name)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    for ax in axes[len(titles) :]:
+        if legend_on_every_panel:
+            ax.legend(fontsize="small")
+    if not legend_on_every_panel:
+        axes.flat[0].legend(fontsize="x-small")
+    for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
-    return figure, axes[: len(titles)]
-
-
-def save_figure(figure: Any, path: str | os.PathLike[str]) -> Path:
-    """Lay out ``figure`` and write it as a PNG at ``path`` (its folder made); return the path."""
     figure.tight_layout()
-    output = Path(path)
+    output = Path(output_png)
     output.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(output, dpi=100)
     return output
