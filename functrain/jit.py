@@ -431,7 +431,8 @@ class CompiledStep:
         self.guards = guards
         # Input signatures that passed dynamo's guards (at most one per compiled graph in practice).
         self._signatures: list[_InputSignature] = []
-        self._guard_types = _dynamo_guard_types() if guards == "functrain" else None
+        # Decided once: an eager step (compile=False) has no guards to skip.
+        self._guard_types = _dynamo_guard_types() if guards == "functrain" and compile else None
         self._donated: weakref.WeakSet[Any] = weakref.WeakSet()
         self._warned = False
         functools.update_wrapper(self, fn)
@@ -506,14 +507,14 @@ class CompiledStep:
         if self.seed and hasattr(state, "rng"):
             rank = self.rank if self.rank is not None else distributed_rank()
             _seed_generators(random.step_seed(state.rng, state.step, rank), _device_of(state))
-        if self._signatures:
-            split = _split_inputs(state, args, kwargs)
-            if split is not None and any(sig.matches(*split) for sig in self._signatures):
-                # Inputs as a call that passed dynamo's guards: run that graph, no guards, no compile.
-                out = _without_guards(self._compiled, state, *args, **kwargs)
-                if self.donate:
-                    self._donated.add(state)
-                return out
+        # guards="functrain": the inputs' signature, split once per call (the fast path and _run share it).
+        split = _split_inputs(state, args, kwargs) if self._guard_types is not None else None
+        if split is not None and any(sig.matches(*split) for sig in self._signatures):
+            # Inputs as a call that passed dynamo's guards: run that graph, no guards, no compile.
+            out = _without_guards(self._compiled, state, *args, **kwargs)
+            if self.donate:
+                self._donated.add(state)
+            return out
         # Dynamo stops compiling (and silently runs eagerly) after ``recompile_limit`` compiles; lift it
         # so that max_compiles decides. Set and restored by hand: config.patch costs ~5x more per call.
         dynamo_config = torch._dynamo.config
@@ -524,7 +525,7 @@ class CompiledStep:
         try:
             # The model's torch.utils.checkpoint, RNNs and log calls, made traceable (functrain.traceable).
             with traceable(getattr(self.fn, "model", None), compiled=self.compile):
-                out = self._run(state, args, kwargs)
+                out = self._run(state, args, kwargs, split)
         except RecompileError:
             raise
         except torch._dynamo.exc.BackendCompilerFailed as e:
@@ -541,25 +542,30 @@ class CompiledStep:
             self._donated.add(state)
         return out
 
-    def _run(self, state: Any, args: tuple, kwargs: dict) -> Any:
+    def _run(self, state: Any, args: tuple, kwargs: dict, split: tuple | None) -> Any:
         """Call the step through dynamo's guards, timing a compile if there is one, and remember the
-        inputs' signature for the fast path of later calls."""
+        inputs' signature (``split``, from :func:`_split_inputs`) for the fast path of later calls."""
         if not self.compile:
             return self._compiled(state, *args, **kwargs)
-        split = _split_inputs(state, args, kwargs) if self._guard_types is not None else None
         if self.cache_dir is not None and self.num_compiles == 0:
             _load_cache_dir(self.cache_dir)
-        signature = _InputSignature(*split, self._guard_types) if split is not None else None
-        compiles, misses, started = self.num_compiles, _cache_misses(), time.perf_counter()
+        # Built before the call (a donating step writes into the inputs), only while there is room.
+        signature = None
+        if split is not None and len(self._signatures) < self.max_compiles:
+            signature = _InputSignature(*split, self._guard_types)
+        # Cache misses are only read to decide whether to write a cache file.
+        misses = _cache_misses() if self.cache_dir is not None else 0
+        compiles, started = self.num_compiles, time.perf_counter()
         out = self._compiled(state, *args, **kwargs)
         if self.num_compiles != compiles:
             self._compiled_in(time.perf_counter() - started, misses)
-        if signature is not None and len(self._signatures) < self.max_compiles:
+        if signature is not None:
             self._signatures.append(signature)  # it passed dynamo's guards
         return out
 
     def _compiled_in(self, seconds: float, misses_before: int) -> None:
-        """Account for a call that compiled: time, log line, portable cache file."""
+        """Account for a call that compiled: time, log line, portable cache file (``misses_before``:
+        :func:`_cache_misses` before the call, read only with a ``cache_dir``)."""
         self.compile_seconds += seconds
         if self.num_compiles > 1:
             log.warning(

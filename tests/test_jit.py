@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -258,7 +260,22 @@ def test_compile_seconds_is_zero_eagerly_and_cache_dir_is_unused(tmp_path):
 
 
 @pytest.mark.compile
-def test_fast_guard_path_still_recompiles_on_shape_dtype_and_scalar_changes():
+def test_fast_guard_path_still_recompiles_on_shape_dtype_and_scalar_changes(monkeypatch):
+    jit_module = sys.modules["functrain.jit"]  # ft.jit is the function
+
+    made = {"splits": 0, "signatures": 0}
+
+    def counting(name, key):
+        original = getattr(jit_module, name)
+
+        def wrapper(*args, **kwargs):
+            made[key] += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(jit_module, name, wrapper)
+
+    counting("_split_inputs", "splits")
+    counting("_InputSignature", "signatures")
     state = {"w": torch.full((3,), 2.0)}
     step = ft.jit(_scaled_sum, seed=False, max_compiles=4, guards="functrain")
     x = torch.arange(3.0)
@@ -276,6 +293,8 @@ def test_fast_guard_path_still_recompiles_on_shape_dtype_and_scalar_changes():
     torch.testing.assert_close(step(state, torch.ones(2, 3))[1], torch.tensor(12.0))
     torch.testing.assert_close(step(state, x, 3.0)[1], torch.tensor(18.0))
     assert step.num_compiles == 5  # the failed float16 compile counted
+    # Per call: the inputs are split once (9 calls), a signature is built only while there is room (4).
+    assert made == {"splits": 9, "signatures": 4}
 
 
 @pytest.mark.compile
