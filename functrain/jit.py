@@ -631,23 +631,23 @@ def _donating(fn: Callable[..., Any]) -> Callable[..., Any]:
         new_leaves, new_spec = torch_pytree.tree_flatten(new_state)
         if not tree.same_structure(spec, new_spec):
             return (new_state, *rest)
-        merged = []
-        for old, new in zip(old_leaves, new_leaves):
-            if (
-                isinstance(old, torch.Tensor)
-                and isinstance(new, torch.Tensor)
-                and old.shape == new.shape
-                and old.dtype == new.dtype
-                and old.device == new.device
-                and old is not new
-            ):
-                old.copy_(new)
-                merged.append(old)
-            else:
-                merged.append(new)
+        merged = [old.copy_(new) if _replaces(new, old) else new for old, new in zip(old_leaves, new_leaves)]
         return (torch_pytree.tree_unflatten(merged, spec), *rest)
 
     return donating_step
+
+
+def _replaces(new: Any, old: Any) -> bool:
+    """Whether ``new`` is another tensor of ``old``'s shape, dtype and device: one a step can write
+    into ``old`` (donation) or into ``old``'s layout (:func:`_keeping_layouts`)."""
+    return (
+        isinstance(old, torch.Tensor)
+        and isinstance(new, torch.Tensor)
+        and old is not new
+        and old.shape == new.shape
+        and old.dtype == new.dtype
+        and old.device == new.device
+    )
 
 
 def _keeping_layouts(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -683,15 +683,7 @@ def _keeping_layouts(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _like_layout(new: Any, old: Any) -> Any:
     """``new``, copied into ``old``'s strides when they differ (dense layouts only)."""
-    if (
-        not isinstance(new, torch.Tensor)
-        or not isinstance(old, torch.Tensor)
-        or new is old
-        or new.stride() == old.stride()
-        or new.shape != old.shape
-        or new.dtype != old.dtype
-        or new.device != old.device
-    ):
+    if not _replaces(new, old) or new.stride() == old.stride():
         return new
     out = torch.empty_like(old)  # preserve_format: old's exact strides when old is dense
     return out.copy_(new) if out.stride() == old.stride() else new
