@@ -303,22 +303,13 @@ def overhead(repeats: int, calls: int, depth: int = 16) -> dict[str, tuple[float
     )
     raw(state, batch)
     graph, inputs = graphs[-1]
-    steps = {
-        'ft step, guards="dynamo" (default)': ft.jit(
-            ft.make_train_step(model, ft.supervised_loss(F.mse_loss)), guards="dynamo"
-        ),
-        'ft step, guards="functrain"': ft.jit(
-            ft.make_train_step(model, ft.supervised_loss(F.mse_loss)), guards="functrain"
-        ),
-    }
-    fns = {}
-    for name, step in steps.items():
-        box = [state]
+    step = ft.jit(ft.make_train_step(model, ft.supervised_loss(F.mse_loss)))
+    box = [state]
 
-        def ft_call(step=step, box=box) -> None:
-            box[0], _ = step(box[0], batch)
+    def ft_call() -> None:
+        box[0], _ = step(box[0], batch)
 
-        fns[name] = ft_call
+    fns = {"ft step": ft_call}
 
     def direct_call() -> None:
         graph(*inputs)
@@ -338,7 +329,7 @@ def overhead(repeats: int, calls: int, depth: int = 16) -> dict[str, tuple[float
     for r in range(repeats):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             times[name].append(common.timed(fns[name], calls))
-    print(f"  state leaves: {n_leaves}, compiles: {[s.num_compiles for s in steps.values()]}")
+    print(f"  state leaves: {n_leaves}, compiles: {step.num_compiles}")
     return {k: common.median_spread(v) for k, v in times.items()}
 
 

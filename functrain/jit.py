@@ -24,7 +24,6 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Literal
 
-import optree
 import torch
 import torch._dynamo
 import torch.utils._pytree as torch_pytree
@@ -33,7 +32,6 @@ from functrain import random, tree
 from functrain.distributed.env import rank as distributed_rank
 from functrain.remat import RematRandomnessError
 from functrain.traceable import traceable
-from functrain.tree import NAMESPACE
 
 __all__ = ["CompiledStep", "DonatedStateError", "GraphBreakError", "RecompileError", "jit"]
 
@@ -248,87 +246,6 @@ def _cpu_dropout_decompositions() -> dict[Any, Callable[..., Any]]:
     return _DecompositionTable(table)
 
 
-# ------------------------------------------------------------------------------------------ guards
-# jit(..., guards="functrain"): after a call that passed dynamo's guards, a call whose inputs match it
-# runs with dynamo's guard evaluation skipped (``skip_guard_eval_unsafe``: with one compiled graph nothing
-# is checked, with several only the guards that tell them apart). Dynamo's guards are C++; for a
-# ~100-leaf state they cost about what this check costs (benchmarks/README.md), so it is opt-in.
-
-
-_SCALAR_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device)
-
-
-def _dynamo_guard_types() -> tuple[Any, Any] | None:
-    """Dynamo's C++ checks: ``TensorGuards`` (type, dispatch keys, dtype, device, requires_grad, sizes,
-    strides of many tensors at once) and ``GlobalStateGuard`` (grad mode, autocast, default dtype, ...)."""
-    guards = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
-    tensor_guards = getattr(guards, "TensorGuards", None)
-    global_state = getattr(guards, "GlobalStateGuard", None)
-    return (tensor_guards, global_state) if tensor_guards and global_state else None
-
-
-def _split_inputs(state: Any, args: tuple, kwargs: dict) -> tuple[Any, list[torch.Tensor], tuple] | None:
-    """``(treespec, tensor leaves, non-tensor leaves with their types)`` of a call's inputs, or ``None``
-    (no fast path) when a leaf is an object whose contents dynamo would guard but this cannot see."""
-    leaves, spec = optree.tree_flatten((state, args, kwargs), none_is_leaf=True, namespace=NAMESPACE)
-    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-    if len(tensors) == len(leaves):
-        return spec, tensors, ()
-    others = tuple((type(x), x) for x in leaves if not isinstance(x, torch.Tensor))
-    if any(t not in _SCALAR_TYPES for t, _ in others):
-        return None
-    return spec, tensors, others
-
-
-class _InputSignature:
-    """What one compiled graph was specialised on, checked cheaply: the tree structure, every tensor's
-    type, dispatch keys, shape, strides, dtype, device and requires_grad, which tensors are the same
-    object, the values of the non-tensor leaves, and global state (grad mode, autocast, ...)."""
-
-    def __init__(self, spec: Any, tensors: list[torch.Tensor], others: tuple, guard_types: Any) -> None:
-        tensor_guards, global_state = guard_types
-        self.spec, self.others, self.num_unique = spec, others, len(set(map(id, tensors)))
-        self.tensors = tensor_guards(
-            *tensors,
-            dynamic_dims_sizes=[list(x.shape) for x in tensors],
-            dynamic_dims_strides=[list(x.stride()) for x in tensors],
-        )
-        self.global_state = global_state()
-
-    def matches(self, spec: Any, tensors: list[torch.Tensor], others: tuple) -> bool:
-        return (
-            spec == self.spec
-            and others == self.others
-            and self.global_state.check()
-            and self.tensors.check(*tensors)
-            and len(set(map(id, tensors))) == self.num_unique  # dynamo guards aliasing between inputs
-        )
-
-
-_skip_stances: dict[int, Any] = {}
-
-
-def _without_guards(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` under the current compiler stance with ``skip_guard_eval_unsafe``.
-
-    Swaps dynamo's stance object directly (what ``torch.compiler.set_stance`` does, keeping the user's
-    stance): the public context manager cost ~30 us per call here, a tenth of a small step's host time.
-    """
-    eval_frame = getattr(torch._dynamo, "eval_frame", None)
-    prior = getattr(eval_frame, "_stance", None)
-    if prior is None or not dataclasses.is_dataclass(prior) or not hasattr(prior, "skip_guard_eval_unsafe"):
-        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-            return fn(*args, **kwargs)
-    skip = _skip_stances.get(id(prior))
-    if skip is None or skip[0] is not prior:
-        skip = _skip_stances[id(prior)] = (prior, dataclasses.replace(prior, skip_guard_eval_unsafe=True))
-    eval_frame._stance = skip[1]
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        eval_frame._stance = prior
-
-
 # ------------------------------------------------------------------------------------------ caches
 # ``jit(..., cache_dir=...)`` keeps torch's portable compile cache (``torch.compiler.save_cache_artifacts``:
 # AOTAutograd and inductor entries, compiled kernels) in a file per step, loaded into the local caches
@@ -411,12 +328,9 @@ class CompiledStep:
         seed: bool = True,
         rank: int | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
-        guards: Literal["dynamo", "functrain"] = "dynamo",
     ) -> None:
         if on_max_compiles not in ("raise", "warn"):
             raise ValueError(f"on_max_compiles must be 'raise' or 'warn', got {on_max_compiles!r}")
-        if guards not in ("functrain", "dynamo"):
-            raise ValueError(f"guards must be 'functrain' or 'dynamo', got {guards!r}")
         self.fn = fn
         self.compile = compile
         self.donate = donate
@@ -428,10 +342,6 @@ class CompiledStep:
         self.compile_reasons: list[str] = []
         self.compile_seconds = 0.0
         self.cache_dir = os.fspath(cache_dir) if cache_dir is not None else None
-        self.guards = guards
-        # Input signatures that passed dynamo's guards (at most one per compiled graph in practice).
-        self._signatures: list[_InputSignature] = []
-        self._guard_types = _dynamo_guard_types() if guards == "functrain" else None
         self._donated: weakref.WeakSet[Any] = weakref.WeakSet()
         self._warned = False
         functools.update_wrapper(self, fn)
@@ -506,14 +416,6 @@ class CompiledStep:
         if self.seed and hasattr(state, "rng"):
             rank = self.rank if self.rank is not None else distributed_rank()
             _seed_generators(random.step_seed(state.rng, state.step, rank), _device_of(state))
-        if self._signatures:
-            split = _split_inputs(state, args, kwargs)
-            if split is not None and any(sig.matches(*split) for sig in self._signatures):
-                # Inputs as a call that passed dynamo's guards: run that graph, no guards, no compile.
-                out = _without_guards(self._compiled, state, *args, **kwargs)
-                if self.donate:
-                    self._donated.add(state)
-                return out
         # Dynamo stops compiling (and silently runs eagerly) after ``recompile_limit`` compiles; lift it
         # so that max_compiles decides. Set and restored by hand: config.patch costs ~5x more per call.
         dynamo_config = torch._dynamo.config
@@ -542,24 +444,22 @@ class CompiledStep:
         return out
 
     def _run(self, state: Any, args: tuple, kwargs: dict) -> Any:
-        """Call the step through dynamo's guards, timing a compile if there is one, and remember the
-        inputs' signature for the fast path of later calls."""
+        """Call the step, timing a compile if there is one."""
         if not self.compile:
             return self._compiled(state, *args, **kwargs)
-        split = _split_inputs(state, args, kwargs) if self._guard_types is not None else None
         if self.cache_dir is not None and self.num_compiles == 0:
             _load_cache_dir(self.cache_dir)
-        signature = _InputSignature(*split, self._guard_types) if split is not None else None
-        compiles, misses, started = self.num_compiles, _cache_misses(), time.perf_counter()
+        # Cache misses are only read to decide whether to write a cache file.
+        misses = _cache_misses() if self.cache_dir is not None else 0
+        compiles, started = self.num_compiles, time.perf_counter()
         out = self._compiled(state, *args, **kwargs)
         if self.num_compiles != compiles:
             self._compiled_in(time.perf_counter() - started, misses)
-        if signature is not None and len(self._signatures) < self.max_compiles:
-            self._signatures.append(signature)  # it passed dynamo's guards
         return out
 
     def _compiled_in(self, seconds: float, misses_before: int) -> None:
-        """Account for a call that compiled: time, log line, portable cache file."""
+        """Account for a call that compiled: time, log line, portable cache file (``misses_before``:
+        :func:`_cache_misses` before the call, read only with a ``cache_dir``)."""
         self.compile_seconds += seconds
         if self.num_compiles > 1:
             log.warning(
@@ -625,23 +525,23 @@ def _donating(fn: Callable[..., Any]) -> Callable[..., Any]:
         new_leaves, new_spec = torch_pytree.tree_flatten(new_state)
         if not tree.same_structure(spec, new_spec):
             return (new_state, *rest)
-        merged = []
-        for old, new in zip(old_leaves, new_leaves):
-            if (
-                isinstance(old, torch.Tensor)
-                and isinstance(new, torch.Tensor)
-                and old.shape == new.shape
-                and old.dtype == new.dtype
-                and old.device == new.device
-                and old is not new
-            ):
-                old.copy_(new)
-                merged.append(old)
-            else:
-                merged.append(new)
+        merged = [old.copy_(new) if _replaces(new, old) else new for old, new in zip(old_leaves, new_leaves)]
         return (torch_pytree.tree_unflatten(merged, spec), *rest)
 
     return donating_step
+
+
+def _replaces(new: Any, old: Any) -> bool:
+    """Whether ``new`` is another tensor of ``old``'s shape, dtype and device: one a step can write
+    into ``old`` (donation) or into ``old``'s layout (:func:`_keeping_layouts`)."""
+    return (
+        isinstance(old, torch.Tensor)
+        and isinstance(new, torch.Tensor)
+        and old is not new
+        and old.shape == new.shape
+        and old.dtype == new.dtype
+        and old.device == new.device
+    )
 
 
 def _keeping_layouts(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -677,15 +577,7 @@ def _keeping_layouts(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _like_layout(new: Any, old: Any) -> Any:
     """``new``, copied into ``old``'s strides when they differ (dense layouts only)."""
-    if (
-        not isinstance(new, torch.Tensor)
-        or not isinstance(old, torch.Tensor)
-        or new is old
-        or new.stride() == old.stride()
-        or new.shape != old.shape
-        or new.dtype != old.dtype
-        or new.device != old.device
-    ):
+    if not _replaces(new, old) or new.stride() == old.stride():
         return new
     out = torch.empty_like(old)  # preserve_format: old's exact strides when old is dense
     return out.copy_(new) if out.stride() == old.stride() else new
@@ -705,7 +597,6 @@ def jit(
     seed: bool = True,
     rank: int | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
-    guards: Literal["dynamo", "functrain"] = "dynamo",
 ) -> Any:
     """Compile a pure step ``fn(state, *args)`` with ``torch.compile(fullgraph=True)``.
 
@@ -739,15 +630,6 @@ def jit(
             compile that missed the local caches, loaded before the first compile): a new process, or
             a run resumed on another machine of the same kind (same torch, CPU/GPU, compiler), starts
             warm. The files are torch's pickled cache entries: use a directory only your runs write.
-        guards: ``"dynamo"`` (default): dynamo checks its guards on every call. ``"functrain"``: after a
-            call has passed dynamo's guards, later calls whose inputs match it (tree structure; each
-            tensor's type, shape, strides, dtype, device and requires_grad; tensor aliasing; the values
-            of non-tensor leaves; grad mode, autocast, default dtype) skip dynamo's guard evaluation;
-            other inputs go through the guards and recompile (or raise) as usual. It does not see a
-            change to a Python object the step closes over (a module attribute such as a dropout
-            rate, a global), which dynamo would recompile for. Measured on the CPU here it does not pay
-            for a ~100-leaf state (its own check costs what dynamo's C++ guards cost; see
-            benchmarks/README.md); it is meant for states with thousands of leaves.
 
     Example:
         >>> fast_step = jit(train_step, donate=True)
@@ -765,7 +647,6 @@ def jit(
         seed=seed,
         rank=rank,
         cache_dir=cache_dir,
-        guards=guards,
     )
     if fn is None:
         return lambda f: CompiledStep(f, **kwargs)

@@ -52,6 +52,7 @@ def test_max_compiles_names_the_cause():
         return state, x * 2
 
     double(None, torch.ones(3))
+    assert double.compile_seconds > 0
     with pytest.raises(ft.RecompileError, match="max_compiles=1"):
         double(None, torch.ones(4))
     assert double.num_compiles == 2 and "size" in double.compile_reasons[0].lower()
@@ -245,55 +246,14 @@ def test_fallback_random_compile_is_not_served_the_fast_dropout_graph(tmp_path, 
 # ------------------------------------------------------------------------------------------ compile cost
 
 
-def _scaled_sum(state, x, factor=1.0):
-    return state, (x * state["w"]).sum() * factor
+def _scaled_sum(state, x):
+    return state, (x * state["w"]).sum()
 
 
 def test_compile_seconds_is_zero_eagerly_and_cache_dir_is_unused(tmp_path):
     step = ft.jit(_scaled_sum, compile=False, cache_dir=tmp_path / "cache")
     step({"w": torch.ones(3)}, torch.ones(3))
     assert step.compile_seconds == 0.0 and not (tmp_path / "cache").exists()
-    with pytest.raises(ValueError, match="guards"):
-        ft.jit(_scaled_sum, guards="none")
-
-
-@pytest.mark.compile
-def test_fast_guard_path_still_recompiles_on_shape_dtype_and_scalar_changes():
-    state = {"w": torch.full((3,), 2.0)}
-    step = ft.jit(_scaled_sum, seed=False, max_compiles=4, guards="functrain")
-    x = torch.arange(3.0)
-    for _ in range(3):  # the second and third call take the fast path (same signature)
-        torch.testing.assert_close(step(state, x)[1], torch.tensor(6.0))
-    assert step.num_compiles == 1 and step.compile_seconds > 0 and len(step._signatures) == 1
-    # A changed batch shape (w broadcasts), dtype and Python scalar each need a new graph.
-    torch.testing.assert_close(step(state, torch.ones(2, 3))[1], torch.tensor(12.0))
-    torch.testing.assert_close(step(state, x.double())[1], torch.tensor(6.0, dtype=torch.float64))
-    torch.testing.assert_close(step(state, x, 3.0)[1], torch.tensor(18.0))
-    assert step.num_compiles == 4, step.compile_reasons
-    with pytest.raises(ft.RecompileError, match="max_compiles=4"):
-        step(state, x.to(torch.float16))
-    # Each signature seen before runs its own graph again, without a compile.
-    torch.testing.assert_close(step(state, torch.ones(2, 3))[1], torch.tensor(12.0))
-    torch.testing.assert_close(step(state, x, 3.0)[1], torch.tensor(18.0))
-    assert step.num_compiles == 5  # the failed float16 compile counted
-
-
-@pytest.mark.compile
-def test_guards_dynamo_sees_closure_changes_that_the_fast_path_does_not():
-    # The documented limit of guards="functrain": a Python value the step closes over is dynamo's to
-    # guard. guards="dynamo" recompiles for it; the fast path keeps the graph (keep such values in the state).
-    config = {"factor": 2.0}
-
-    def step_fn(state, x):
-        return state, x.sum() * config["factor"]
-
-    checked = ft.jit(step_fn, seed=False)  # guards="dynamo", the default
-    fast = ft.jit(lambda state, x: step_fn(state, x), seed=False, guards="functrain")
-    x = torch.ones(3)
-    assert float(checked(None, x)[1]) == 6.0 and float(fast(None, x)[1]) == 6.0
-    config["factor"] = 3.0
-    assert float(checked(None, x)[1]) == 9.0 and checked.num_compiles == 2
-    assert float(fast(None, x)[1]) == 6.0 and fast.num_compiles == 1
 
 
 @pytest.mark.compile
