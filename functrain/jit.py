@@ -29,6 +29,7 @@ import torch._dynamo
 import torch.utils._pytree as torch_pytree
 
 from functrain import random, tree
+from functrain.cache_hits import CacheHits
 from functrain.distributed.env import rank as distributed_rank
 from functrain.remat import RematRandomnessError
 from functrain.traceable import traceable
@@ -246,6 +247,33 @@ def _cpu_dropout_decompositions() -> dict[Any, Callable[..., Any]]:
     return _DecompositionTable(table)
 
 
+# ------------------------------------------------------------------------------------------ guards
+# Dynamo guards every global the trace read. Those of the code a functrain step runs through
+# (functrain's own modules, torch's functional_call/functorch/pytree internals, dataclasses,
+# builtins: ~180 of the ~1300 guards of a 100-leaf step) fail only if that library code is
+# monkeypatched during a run; evaluating them cost ~60 us per call here (benchmarks/README.md,
+# "Per-call overhead"). They are skipped. Globals of the user's modules (``__main__``, their
+# packages) and of torch.nn's modules (global module hooks) keep their guards: changing one still
+# recompiles the step.
+_LIBRARY_GLOBALS = re.compile(
+    r"G\['(__builtins_dict___\d+|torch|torch_pytree|_replaces|_like_layout"
+    r"|__import_(functrain|dataclasses|contextlib|functools|torch_dot_(_functorch|_dynamo|utils_dot__pytree"
+    r"|nn_dot_utils_dot_(stateless|_named_member_accessor)))(_dot_\w+)?)'\]"
+)
+
+
+def _skip_library_guards(entries: list[Any]) -> list[bool]:
+    """dynamo's ``guard_filter_fn``: keep every guard but those on library globals (see above)."""
+    return [not (entry.is_global and _LIBRARY_GLOBALS.match(entry.name)) for entry in entries]
+
+
+def _both_filters(first: Callable[[list[Any]], list[bool]], second: Callable[[list[Any]], list[bool]]) -> Any:
+    def keep(entries: list[Any]) -> list[bool]:
+        return [a and b for a, b in zip(first(entries), second(entries))]
+
+    return keep
+
+
 # ------------------------------------------------------------------------------------------ caches
 # ``jit(..., cache_dir=...)`` keeps torch's portable compile cache (``torch.compiler.save_cache_artifacts``:
 # AOTAutograd and inductor entries, compiled kernels) in a file per step, loaded into the local caches
@@ -347,11 +375,24 @@ class CompiledStep:
         functools.update_wrapper(self, fn)
         target = _with_own_code(_donating(fn) if donate else _keeping_layouts(fn))
         self._eager = target
+        # After the first compile, calls whose inputs pass a cached graph's guards skip dynamo's frame
+        # evaluation (functrain.cache_hits): ~0.1 ms less host time per call.
+        self._cache_hits = CacheHits(target)
+        self._lookup_in_traceable = False
         if compile:
             config = dict(torch._inductor.list_mode_options(mode)) if mode else {}
             config.update(options or {})
+            guard_filter = _skip_library_guards
+            if "guard_filter_fn" in config:  # the caller's filter too: a guard is kept if both keep it
+                guard_filter = _both_filters(guard_filter, config.pop("guard_filter_fn"))
             backend = functools.partial(self._backend, config=config)
-            self._compiled = torch.compile(target, fullgraph=fullgraph, dynamic=dynamic, backend=backend)
+            self._compiled = torch.compile(
+                target,
+                fullgraph=fullgraph,
+                dynamic=dynamic,
+                backend=backend,
+                options={"guard_filter_fn": guard_filter},
+            )
         else:
             self._compiled = target
 
@@ -416,6 +457,39 @@ class CompiledStep:
         if self.seed and hasattr(state, "rng"):
             rank = self.rank if self.rank is not None else distributed_rank()
             _seed_generators(random.step_seed(state.rng, state.step, rank), _device_of(state))
+        # The model in the step's mode before the call (the step checks and writes nothing then): its
+        # graph has no per-module attribute writes to replay.
+        set_mode = getattr(self.fn, "set_mode", None)
+        if set_mode is not None:
+            set_mode()
+        out = self._call(state, args, kwargs)
+        if self.donate:
+            self._donated.add(state)
+        return out
+
+    def _call(self, state: Any, args: tuple, kwargs: dict) -> Any:
+        # After the first compile, a call that a compiled graph's guards accept runs that graph directly.
+        # The lookup runs outside ``traceable`` (its patches matter only while dynamo traces), unless
+        # the graph guards one of them (a model that calls torch.utils.checkpoint, an RNN): then a
+        # lookup outside missed once while dynamo's own lookup inside found the graph.
+        if self.num_compiles and not self._lookup_in_traceable:
+            cached = self._cache_hits.lookup(state, args, kwargs)
+            if cached is not None:
+                return cached(state, *args, **kwargs)
+        # The model's torch.utils.checkpoint, RNNs and log calls, made traceable (functrain.traceable).
+        with traceable(getattr(self.fn, "model", None), compiled=self.compile):
+            compiles = self.num_compiles
+            if compiles and self._lookup_in_traceable:
+                cached = self._cache_hits.lookup(state, args, kwargs)
+                if cached is not None:
+                    return cached(state, *args, **kwargs)
+            out = self._call_through_dynamo(state, args, kwargs)
+            if compiles and self.num_compiles == compiles and self._cache_hits.enabled:
+                self._lookup_in_traceable = True
+            return out
+
+    def _call_through_dynamo(self, state: Any, args: tuple, kwargs: dict) -> Any:
+        """Call the step through ``torch.compile`` (or eagerly), compiling if dynamo has to."""
         # Dynamo stops compiling (and silently runs eagerly) after ``recompile_limit`` compiles; lift it
         # so that max_compiles decides. Set and restored by hand: config.patch costs ~5x more per call.
         dynamo_config = torch._dynamo.config
@@ -424,9 +498,7 @@ class CompiledStep:
         if limit < needed:
             dynamo_config.recompile_limit = needed
         try:
-            # The model's torch.utils.checkpoint, RNNs and log calls, made traceable (functrain.traceable).
-            with traceable(getattr(self.fn, "model", None), compiled=self.compile):
-                out = self._run(state, args, kwargs)
+            return self._run(state, args, kwargs)
         except RecompileError:
             raise
         except torch._dynamo.exc.BackendCompilerFailed as e:
@@ -439,9 +511,6 @@ class CompiledStep:
         finally:
             if limit < needed:
                 dynamo_config.recompile_limit = limit
-        if self.donate:
-            self._donated.add(state)
-        return out
 
     def _run(self, state: Any, args: tuple, kwargs: dict) -> Any:
         """Call the step, timing a compile if there is one."""

@@ -1,0 +1,114 @@
+"""Call a compiled step's cached code directly when dynamo's guards for it pass.
+
+Every call of a ``torch.compile``'d function goes through dynamo's frame evaluation: a Python wrapper
+(``_TorchDynamoContext``: eval-frame callback swaps, functorch layer-stack bookkeeping), then in C the
+cache lookup (each cache entry's guards) and the call of the entry's transformed bytecode, which reads
+the tensors out of the arguments, calls the compiled graph and rebuilds the outputs. For a small
+train step the wrapper is most of the host time that is not the graph itself: ~0.1 ms of the ~0.15 ms
+that ``torch.compile`` adds to a 100-leaf step here (benchmarks/README.md, "Per-call overhead").
+
+:class:`CacheHits` does that lookup itself, from the same entries in the same order with the same
+guard managers (one C++ call each; they include the global state: grad mode, autocast, default dtype,
+deterministic algorithms), and calls the winning entry's code as a function with the original
+function's globals and closure. When no entry accepts the call (a new shape, dtype or structure, a
+changed global state, ``torch._dynamo.reset()``) it returns ``None`` and the caller goes through
+``torch.compile``, which recompiles exactly as it would have. It also steps aside while dynamo is
+tracing (a step called inside another compiled function) and under any stance but the default
+(``torch.compiler.set_stance("force_eager")`` still runs eagerly).
+
+The cache entries are dynamo's private API (``torch._C._dynamo.eval_frame._debug_get_cache_entry_list``,
+present in every supported torch, 2.10-2.13): if it is missing or behaves differently the lookup turns
+itself off for good and every call takes ``torch.compile``'s path (tests/test_jit.py checks that the
+direct path is taken on each supported torch, so a torch that drops it fails a test, not a user).
+
+Example:
+    >>> hits = CacheHits(target)            # target: the function given to torch.compile
+    >>> run = hits.lookup(state, (batch,), {})
+    >>> out = run(state, batch) if run is not None else compiled(state, batch)
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["CacheHits"]
+
+log = logging.getLogger(__name__)
+
+try:  # dynamo's cache entries (private)
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list as _cache_entries
+except ImportError:  # pragma: no cover - every supported torch has it
+    _cache_entries = None
+
+
+def _stance() -> str:
+    """dynamo's current stance (``torch.compiler.set_stance``); ``"default"`` when unknown."""
+    stance = getattr(torch._dynamo.eval_frame, "_stance", None)
+    return getattr(stance, "stance", "default")
+
+
+def _takes_state_args_kwargs(code: types.CodeType) -> bool:
+    """Whether ``code`` is a ``(state, *args, **kwargs)`` function (the frames :meth:`CacheHits.lookup`
+    knows how to bind)."""
+    flags = inspect.CO_VARARGS | inspect.CO_VARKEYWORDS
+    return (
+        code.co_argcount == 1
+        and code.co_kwonlyargcount == 0
+        and code.co_flags & flags == flags
+        and code.co_varnames[:3] == ("state", "args", "kwargs")
+    )
+
+
+class CacheHits:
+    """Direct calls of ``fn``'s dynamo cache entries (``fn``: a ``(state, *args, **kwargs)`` function
+    given to ``torch.compile``). See the module docstring.
+
+    Attributes:
+        enabled: whether lookups are made (off when dynamo's private API is missing or misbehaved).
+        calls: how many lookups found an entry (for tests and benchmarks).
+    """
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        code = getattr(fn, "__code__", None)
+        self.fn = fn
+        self.enabled = _cache_entries is not None and code is not None and _takes_state_args_kwargs(code)
+        self.calls = 0
+        self._functions: dict[types.CodeType, Callable[..., Any]] = {}
+
+    def lookup(self, state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[..., Any] | None:
+        """The cached code to call as ``run(state, *args, **kwargs)``, or ``None`` to go through
+        ``torch.compile`` (no entry's guards pass, or dynamo is tracing, or a non-default stance)."""
+        if not self.enabled or torch.compiler.is_compiling() or _stance() != "default":
+            return None
+        fn = self.fn
+        try:
+            entries = _cache_entries(fn.__code__)
+            if not entries:
+                return None
+            # The frame's locals as dynamo's guards see them: arguments by name, closure cells' contents.
+            f_locals = {"state": state, "args": args, "kwargs": kwargs}
+            for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+                f_locals[name] = cell.cell_contents
+            for entry in entries:
+                if entry.guard_manager.check(f_locals):
+                    self.calls += 1
+                    return self._function(entry.code)
+        except Exception as e:  # dynamo's private API changed: use torch.compile's path from now on
+            self.enabled = False
+            log.debug("functrain.cache_hits: direct calls off (%s: %s)", type(e).__name__, e)
+        return None
+
+    def _function(self, code: types.CodeType) -> Callable[..., Any]:
+        function = self._functions.get(code)
+        if function is None:
+            fn = self.fn
+            function = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+            function.__kwdefaults__ = fn.__kwdefaults__
+            self._functions[code] = function
+        return function

@@ -1,0 +1,129 @@
+"""Direct calls of a compiled step's graph (functrain.cache_hits) and the library-guard filter of `jit`:
+the direct path is taken, and everything dynamo would recompile for still recompiles."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import SmallCNN, classification_batch, mlp
+
+import functrain as ft
+from functrain import tree
+from functrain.jit import _skip_library_guards
+
+SCALE = 2.0  # a user global read by a step: changing it must recompile
+
+
+def _scaled(state, x):
+    return state, x * SCALE
+
+
+def _entry(name: str, is_global: bool = True) -> types.SimpleNamespace:
+    return types.SimpleNamespace(name=name, is_global=is_global)
+
+
+def test_library_guard_filter_keeps_user_and_nn_module_globals():
+    dropped = [
+        "G['__import_functrain_dot_tree'].leaves.__code__",
+        "G['__import_functrain_dot_optim_dot_transforms']._foreach",
+        "G['__builtins_dict___0']['isinstance']",
+        "G['__import_torch_dot__functorch_dot_eager_transforms'].grad_and_value_impl",
+        "G['__import_torch_dot_utils_dot__pytree'].SUPPORTED_NODES",
+        "G['__import_torch_dot_nn_dot_utils_dot_stateless']._reparametrize_module",
+    ]
+    kept = [
+        "G['__import___main__'].SCALE",
+        "G['__import_mytask'].config",
+        "G['__import_functrainx'].value",  # a user package whose name starts like ours
+        "G['__import_torch_dot_nn_dot_modules_dot_module']._global_forward_hooks",  # global module hooks
+        "G['__import_torch_dot_utils_dot_checkpoint'].checkpoint",
+    ]
+    entries = [_entry(n) for n in dropped + kept] + [_entry("L['state'].params['w']", is_global=False)]
+    keep = _skip_library_guards(entries)
+    assert keep == [False] * len(dropped) + [True] * (len(kept) + 1)
+
+
+@pytest.mark.compile
+def test_calls_after_the_first_compile_run_the_graph_directly_with_the_same_results():
+    """On every supported torch (the floor runs this file too): a torch that changes dynamo's private
+    cache entries fails here instead of silently taking the slower path."""
+    model = mlp(dropout=0.1)
+    state = ft.TrainState.create(model, ft.optim.adam(1e-2), seed=3)
+    make = lambda: ft.jit(ft.make_train_step(model, ft.supervised_loss(F.cross_entropy)))  # noqa: E731
+    direct, through_dynamo = make(), make()
+    through_dynamo._cache_hits.enabled = False
+    a = b = state
+    for i in range(4):
+        batch = classification_batch(seed=i)
+        a, ma = direct(a, batch)
+        b, mb = through_dynamo(b, batch)
+        assert torch.equal(ma["loss"], mb["loss"])
+    for x, y in zip(tree.leaves(a), tree.leaves(b)):
+        assert torch.equal(x, y)
+    assert direct.num_compiles == through_dynamo.num_compiles == 1
+    assert direct._cache_hits.calls == 3 and through_dynamo._cache_hits.calls == 0
+
+
+@pytest.mark.compile
+def test_guard_failures_still_recompile_and_each_graph_is_then_called_directly():
+    step = ft.jit(_scaled, seed=False, max_compiles=4)
+    assert torch.equal(step(None, torch.ones(3))[1], torch.full((3,), 2.0))
+    step(None, torch.ones(3))
+    assert step._cache_hits.calls == 1
+    step(None, torch.ones(4))  # new shape: dynamo recompiles and says why
+    assert step.num_compiles == 2 and "size" in step.compile_reasons[0].lower()
+    step(None, torch.ones(3))
+    step(None, torch.ones(4))
+    assert step.num_compiles == 2 and step._cache_hits.calls == 3
+
+    global SCALE
+    SCALE = 5.0  # a user global the graph read: guarded, so recompiled with the new value
+    try:
+        assert torch.equal(step(None, torch.ones(3))[1], torch.full((3,), 5.0))
+        assert step.num_compiles == 3
+    finally:
+        SCALE = 2.0
+
+    with torch.no_grad():  # global state is part of the guards
+        step(None, torch.ones(3))
+    assert step.num_compiles == 4
+
+
+@pytest.mark.compile
+def test_reset_stance_and_a_user_guard_filter():
+    seen = []
+
+    def keep_all(entries):
+        seen.append(len(entries))
+        return [True] * len(entries)
+
+    step = ft.jit(_scaled, seed=False, options={"guard_filter_fn": keep_all})
+    step(None, torch.ones(3))
+    assert seen and seen[0] > 0, "the caller's guard filter must be called"
+    torch._dynamo.reset()  # dynamo's caches are gone: the next call compiles again
+    assert torch.equal(step(None, torch.ones(3))[1], torch.full((3,), 2.0))
+    assert step.num_compiles == 2
+    calls = step._cache_hits.calls
+    with torch.compiler.set_stance("force_eager"):
+        assert torch.equal(step(None, torch.ones(3))[1], torch.full((3,), 2.0))
+    assert step._cache_hits.calls == calls, "a non-default stance goes through torch.compile"
+
+
+@pytest.mark.compile
+def test_train_and_eval_steps_alternate_on_one_graph_each_and_set_the_modes():
+    model = SmallCNN()
+    state = ft.TrainState.create(model, ft.optim.sgd(0.1), seed=0)
+    loss = ft.supervised_loss(F.cross_entropy)
+    train = ft.jit(ft.make_train_step(model, loss, freeze_batchnorm=True))
+    evaluate = ft.jit(ft.make_eval_step(model, loss))
+    batch = (torch.randn(4, 1, 8, 8), torch.randint(0, 4, (4,)))
+    for _ in range(3):
+        state, _ = train(state, batch)
+        assert model.training and model.dropout.training and not model.features[1].training
+        evaluate(state, batch)
+        assert not any(m.training for m in model.modules())
+    assert train.num_compiles == 1 and evaluate.num_compiles == 1
+    assert train._cache_hits.calls == 2 and evaluate._cache_hits.calls == 2
