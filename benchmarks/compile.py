@@ -310,6 +310,17 @@ def overhead(repeats: int, calls: int, depth: int = 16) -> dict[str, tuple[float
         box[0], _ = step(box[0], batch)
 
     fns = {"ft step": ft_call}
+    # The same step with functrain.cache_hits off: every call through dynamo's frame evaluation.
+    hits = getattr(step, "_cache_hits", None)
+    if hits is not None:
+        through_dynamo = ft.jit(ft.make_train_step(model, ft.supervised_loss(F.mse_loss)))
+        through_dynamo._cache_hits.enabled = False
+        box_dynamo = [state]
+
+        def ft_dynamo_call() -> None:
+            box_dynamo[0], _ = through_dynamo(box_dynamo[0], batch)
+
+        fns["ft step, direct calls off"] = ft_dynamo_call
 
     def direct_call() -> None:
         graph(*inputs)

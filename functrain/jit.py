@@ -673,6 +673,12 @@ def jit(
     is reproducible: the same state and batch give the same result, and a resumed run continues the
     same random sequence. (Compiled and eager steps draw different masks from the same seed.)
 
+    After the first compile, a call that a compiled graph's guards accept runs that graph directly,
+    without dynamo's frame evaluation (:mod:`functrain.cache_hits`); any other call goes through
+    ``torch.compile``, which recompiles as usual. Dynamo's guards on library globals (functrain's
+    modules, torch's functorch and pytree internals) are skipped; the globals of your own modules stay
+    guarded, so changing one recompiles the step.
+
     Args:
         compile: ``False`` runs the step eagerly (debugging) with the same seeding and donation.
         donate: write the new state into the incoming state's tensors, as JAX's ``donate_argnums``:
@@ -691,6 +697,8 @@ def jit(
             On the torch versions named in :data:`TORCH_WORKAROUNDS`, jit also sets the inductor
             options listed there (e.g. ``loop_ordering_after_fusion=False`` on torch 2.10-2.11),
             again unless ``options`` sets them.
+            ``options={"guard_filter_fn": f}`` is dynamo's, not inductor's: a guard is kept when both
+            ``f`` and jit's library-globals filter keep it.
         max_compiles: compilations allowed before :class:`RecompileError` (or a warning); the error names
             the guard that failed.
         seed: seed the step's randomness from the state (on by default).
