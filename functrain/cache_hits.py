@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import types
@@ -98,7 +99,10 @@ class CacheHits:
             for entry in entries:
                 if entry.guard_manager.check(f_locals):
                     self.calls += 1
-                    return self._function(entry.code)
+                    function = self._function(entry.code)
+                    if torch.autograd.profiler._is_profiler_enabled:  # the range dynamo's call records
+                        return functools.partial(_in_profiler_range, entry.trace_annotation, function)
+                    return function
         except Exception as e:  # dynamo's private API changed: use torch.compile's path from now on
             self.enabled = False
             log.debug("functrain.cache_hits: direct calls off (%s: %s)", type(e).__name__, e)
@@ -112,3 +116,10 @@ class CacheHits:
             function.__kwdefaults__ = fn.__kwdefaults__
             self._functions[code] = function
         return function
+
+
+def _in_profiler_range(name: str, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``function(*args, **kwargs)`` inside a profiler range ``name`` ("Torch-Compiled Region: 0/0", as
+    dynamo records around a cached graph), so a trace reads the same with direct calls."""
+    with torch.profiler.record_function(name):
+        return function(*args, **kwargs)

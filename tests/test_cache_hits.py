@@ -127,3 +127,13 @@ def test_train_and_eval_steps_alternate_on_one_graph_each_and_set_the_modes():
         assert not any(m.training for m in model.modules())
     assert train.num_compiles == 1 and evaluate.num_compiles == 1
     assert train._cache_hits.calls == 2 and evaluate._cache_hits.calls == 2
+
+
+@pytest.mark.compile
+def test_a_profiled_direct_call_records_dynamos_compiled_region():
+    step = ft.jit(_scaled, seed=False)
+    step(None, torch.ones(3))
+    with torch.profiler.profile() as prof:
+        step(None, torch.ones(3))
+    assert step._cache_hits.calls == 1
+    assert any(e.name.startswith("Torch-Compiled Region") for e in prof.events())

@@ -46,6 +46,7 @@ def test_donating_step_equals_pure_step_and_refuses_reuse_eager():
     donating(out, batch)  # the returned state is usable
 
 
+@pytest.mark.compile
 def test_max_compiles_names_the_cause():
     @ft.jit(max_compiles=1, seed=False)
     def double(state, x):
