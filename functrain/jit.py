@@ -457,11 +457,6 @@ class CompiledStep:
         if self.seed and hasattr(state, "rng"):
             rank = self.rank if self.rank is not None else distributed_rank()
             _seed_generators(random.step_seed(state.rng, state.step, rank), _device_of(state))
-        # The model in the step's mode before the call (the step checks and writes nothing then): its
-        # graph has no per-module attribute writes to replay.
-        set_mode = getattr(self.fn, "set_mode", None)
-        if set_mode is not None:
-            set_mode()
         out = self._call(state, args, kwargs)
         if self.donate:
             self._donated.add(state)

@@ -175,36 +175,14 @@ def _make_call(model: nn.Module | ApplyFn, params: dict, buffers: dict) -> Calla
     return call
 
 
-def _mode_setter(
-    model: nn.Module | ApplyFn, training: bool, freeze_batchnorm: bool = False
-) -> Callable[[], None]:
-    """A function that puts ``model`` in a step's mode, ``model.train(training)`` (then BatchNorm layers
-    in eval mode with ``freeze_batchnorm``), and writes nothing when every module is in it already.
-
-    Checking first keeps a compiled step free of side effects in the usual case: dynamo guards the
-    flags it read instead of replaying one attribute write per module after every call (~20 us for
-    32 modules). :func:`functrain.jit` calls the step's setter (``step.set_mode``) before each call,
-    so a train step that follows an eval step finds the model in its mode and reuses its graph.
-    """
+def _set_mode(model: nn.Module | ApplyFn, training: bool, freeze_batchnorm: bool = False) -> None:
     if not isinstance(model, nn.Module):
-        return lambda: None
-    frozen = (
-        {id(m) for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
-        if training and freeze_batchnorm
-        else set()
-    )
-    modules = list(model.modules())
-    wanted = [training and id(m) not in frozen for m in modules]
-
-    def set_mode() -> None:
-        if [m.training for m in modules] == wanted:
-            return
-        model.train(training)
-        for m, want in zip(modules, wanted):
-            if not want and m.training:
+        return
+    model.train(training)
+    if training and freeze_batchnorm:
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
                 m.eval()
-
-    return set_mode
 
 
 def _autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
@@ -285,7 +263,6 @@ def make_train_step(
         return scaled, (loss.detach(), aux, buffers)
 
     grad_fn = grad_and_value(loss_of, argnums=0, has_aux=True)
-    set_mode = _mode_setter(model, True, freeze_batchnorm)
 
     def train_step(state: Any, batch: Batch) -> tuple[Any, dict[str, torch.Tensor]]:
         _check_state_matches(state, expected)
@@ -294,7 +271,7 @@ def make_train_step(
                 "precision='fp16' needs a loss scale in the state: "
                 "TrainState.create(model, tx, loss_scale=functrain.precision.LossScale.create())"
             )
-        set_mode()
+        _set_mode(model, True, freeze_batchnorm)
         scale = state.loss_scale.scale if state.loss_scale is not None else None
         micro = split_batch(batch, accumulate) if accumulate > 1 else [batch]
         total = sum(num_examples(b) for b in micro) if accumulate > 1 else 1
@@ -355,7 +332,6 @@ def make_train_step(
     train_step.kind = "train"  # type: ignore[attr-defined]
     train_step.metrics = metrics  # type: ignore[attr-defined]
     train_step.model = model  # type: ignore[attr-defined]
-    train_step.set_mode = set_mode  # type: ignore[attr-defined]
     train_step.gradient_reducer = gradient_reducer  # type: ignore[attr-defined]
     return train_step
 
@@ -404,11 +380,10 @@ def make_eval_step(
     """
     cast = autocast_dtype(precision)
     expected = _expected_names(model if isinstance(model, nn.Module) else None)
-    set_mode = _mode_setter(model, False)
 
     def eval_step(state: Any, batch: Batch) -> dict[str, Any]:
         _check_state_matches(state, expected)
-        set_mode()
+        _set_mode(model, False)
         with torch.no_grad(), _autocast(_device_of(state.params), cast):
             loss, aux = _split_loss_output(loss_fn(_make_call(model, state.params, state.buffers), batch))
         loss = loss.float()
@@ -426,7 +401,6 @@ def make_eval_step(
     eval_step.kind = "eval"  # type: ignore[attr-defined]
     eval_step.metrics = metrics  # type: ignore[attr-defined]
     eval_step.model = model  # type: ignore[attr-defined]
-    eval_step.set_mode = set_mode  # type: ignore[attr-defined]
     return eval_step
 
 
@@ -461,14 +435,12 @@ def make_predict_step(
         raise TypeError(f"predict: cannot find the inputs in a {type(batch).__name__}; pass forward=...")
 
     fwd = forward or default_forward
-    set_mode = _mode_setter(model, False)
 
     def predict_step(state: Any, batch: Batch) -> Any:
-        set_mode()
+        _set_mode(model, False)
         with torch.no_grad(), _autocast(_device_of(state.params), cast):
             return fwd(_make_call(model, state.params, state.buffers), batch)
 
     predict_step.kind = "predict"  # type: ignore[attr-defined]
     predict_step.model = model  # type: ignore[attr-defined]
-    predict_step.set_mode = set_mode  # type: ignore[attr-defined]
     return predict_step

@@ -114,11 +114,15 @@ def test_reset_stance_and_a_user_guard_filter():
 
 @pytest.mark.compile
 def test_train_and_eval_steps_alternate_on_one_graph_each_and_set_the_modes():
+    """Also when the steps are wrapped (the Trainer's, a user's): each step puts the model in its mode
+    inside its graph, so alternating them never fails a guard on a module's ``training`` flag."""
     model = SmallCNN()
     state = ft.TrainState.create(model, ft.optim.sgd(0.1), seed=0)
     loss = ft.supervised_loss(F.cross_entropy)
-    train = ft.jit(ft.make_train_step(model, loss, freeze_batchnorm=True))
-    evaluate = ft.jit(ft.make_eval_step(model, loss))
+    inner_train = ft.make_train_step(model, loss, freeze_batchnorm=True)
+    inner_eval = ft.make_eval_step(model, loss)
+    train = ft.jit(lambda state, batch: inner_train(state, batch))
+    evaluate = ft.jit(lambda state, batch: inner_eval(state, batch))
     batch = (torch.randn(4, 1, 8, 8), torch.randint(0, 4, (4,)))
     for _ in range(3):
         state, _ = train(state, batch)

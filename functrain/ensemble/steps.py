@@ -122,7 +122,6 @@ def _carry(target: Callable[..., Any], source: Callable[..., Any], kind: str) ->
     metrics = getattr(source, "metrics", None)
     target.kind = kind  # type: ignore[attr-defined]
     target.model = getattr(source, "model", None)  # type: ignore[attr-defined]
-    target.set_mode = getattr(source, "set_mode", None)  # type: ignore[attr-defined]
     target.metrics = MemberMetrics(metrics) if metrics is not None else None  # type: ignore[attr-defined]
     target.ensemble = True  # type: ignore[attr-defined]
     return target
