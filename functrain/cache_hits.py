@@ -3,23 +3,28 @@
 Every call of a ``torch.compile``'d function goes through dynamo's frame evaluation: a Python wrapper
 (``_TorchDynamoContext``: eval-frame callback swaps, functorch layer-stack bookkeeping), then in C the
 cache lookup (each cache entry's guards) and the call of the entry's transformed bytecode, which reads
-the tensors out of the arguments, calls the compiled graph and rebuilds the outputs. For a small
-train step the wrapper is most of the host time that is not the graph itself: ~0.1 ms of the ~0.15 ms
-that ``torch.compile`` adds to a 100-leaf step here (benchmarks/README.md, "Per-call overhead").
+the tensors out of the arguments, calls the compiled graph and rebuilds the outputs. For a small train
+step the wrapper costs ~0.09 ms per call here (benchmarks/README.md, "Per-call overhead").
 
-:class:`CacheHits` does that lookup itself, from the same entries in the same order with the same
-guard managers (one C++ call each; they include the global state: grad mode, autocast, default dtype,
-deterministic algorithms), and calls the winning entry's code as a function with the original
-function's globals and closure. When no entry accepts the call (a new shape, dtype or structure, a
+:class:`CacheHits` does that lookup itself: the same entries, in the order dynamo keeps them, with the
+same guard managers (one C++ call each; they include the global state: grad mode, autocast, default
+dtype, deterministic algorithms), skipping entries dynamo has invalidated; then it calls the winning
+entry's code as a function with the original function's globals and closure, inside the profiler
+range dynamo records for it. When no entry accepts the call (a new shape, dtype or structure, a
 changed global state, ``torch._dynamo.reset()``) it returns ``None`` and the caller goes through
 ``torch.compile``, which recompiles exactly as it would have. It also steps aside while dynamo is
 tracing (a step called inside another compiled function) and under any stance but the default
 (``torch.compiler.set_stance("force_eager")`` still runs eagerly).
 
+Only for functions compiled with ``fullgraph=True``: after a graph break the transformed code calls
+resume functions that dynamo compiles (or finds) only while its frame callback is set, which a direct
+call does not do.
+
 The cache entries are dynamo's private API (``torch._C._dynamo.eval_frame._debug_get_cache_entry_list``,
 present in every supported torch, 2.10-2.13): if it is missing or behaves differently the lookup turns
-itself off for good and every call takes ``torch.compile``'s path (tests/test_jit.py checks that the
-direct path is taken on each supported torch, so a torch that drops it fails a test, not a user).
+itself off for good, with a warning, and every call takes ``torch.compile``'s path.
+tests/test_cache_hits.py checks that the direct path is taken on each supported torch, so a torch that
+drops it fails a test, not a user.
 
 Example:
     >>> hits = CacheHits(target)            # target: the function given to torch.compile
@@ -73,6 +78,8 @@ class CacheHits:
     Attributes:
         enabled: whether lookups are made (off when dynamo's private API is missing or misbehaved).
         calls: how many lookups found an entry (for tests and benchmarks).
+        missed_on_guards: whether the last lookup missed because no live entry's guards passed (not
+            because lookups are off, dynamo is tracing, or the stance is not the default).
     """
 
     def __init__(self, fn: Callable[..., Any]) -> None:
@@ -80,11 +87,13 @@ class CacheHits:
         self.fn = fn
         self.enabled = _cache_entries is not None and code is not None and _takes_state_args_kwargs(code)
         self.calls = 0
+        self.missed_on_guards = False
         self._functions: dict[types.CodeType, Callable[..., Any]] = {}
 
     def lookup(self, state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[..., Any] | None:
         """The cached code to call as ``run(state, *args, **kwargs)``, or ``None`` to go through
         ``torch.compile`` (no entry's guards pass, or dynamo is tracing, or a non-default stance)."""
+        self.missed_on_guards = False
         if not self.enabled or torch.compiler.is_compiling() or _stance() != "default":
             return None
         fn = self.fn
@@ -97,20 +106,27 @@ class CacheHits:
             for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
                 f_locals[name] = cell.cell_contents
             for entry in entries:
+                # An entry invalidated by dynamo (an object its guards watched was freed) keeps its
+                # place with no code and a guard manager that no call may pass.
+                if entry.code is None or type(entry.guard_manager).__name__ == "DeletedGuardManagerWrapper":
+                    continue
                 if entry.guard_manager.check(f_locals):
+                    function = self._function(entry.code, len(entries))
                     self.calls += 1
-                    function = self._function(entry.code)
                     if torch.autograd.profiler._is_profiler_enabled:  # the range dynamo's call records
                         return functools.partial(_in_profiler_range, entry.trace_annotation, function)
                     return function
+            self.missed_on_guards = True
         except Exception as e:  # dynamo's private API changed: use torch.compile's path from now on
             self.enabled = False
-            log.debug("functrain.cache_hits: direct calls off (%s: %s)", type(e).__name__, e)
+            log.warning("functrain.cache_hits: direct calls off (%s: %s)", type(e).__name__, e)
         return None
 
-    def _function(self, code: types.CodeType) -> Callable[..., Any]:
+    def _function(self, code: types.CodeType, live_entries: int) -> Callable[..., Any]:
         function = self._functions.get(code)
         if function is None:
+            if len(self._functions) > 2 * live_entries + 8:  # entries dropped by recompiles and resets
+                self._functions.clear()
             fn = self.fn
             function = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
             function.__kwdefaults__ = fn.__kwdefaults__

@@ -17,6 +17,7 @@ import functools
 import logging
 import os
 import re
+import sys
 import time
 import types
 import warnings
@@ -248,30 +249,49 @@ def _cpu_dropout_decompositions() -> dict[Any, Callable[..., Any]]:
 
 
 # ------------------------------------------------------------------------------------------ guards
-# Dynamo guards every global the trace read. Those of the code a functrain step runs through
-# (functrain's own modules, torch's functional_call/functorch/pytree internals, dataclasses,
-# builtins: ~180 of the ~1300 guards of a 100-leaf step) fail only if that library code is
+# Dynamo guards every global the trace read. Those that stay inside the code a functrain step runs
+# through (functrain's own modules, torch's functional_call/functorch/pytree internals, dataclasses,
+# builtins: ~180 of the ~1300 guards of a 100-leaf step) fail only if that library code itself is
 # monkeypatched during a run; evaluating them cost ~60 us per call here (benchmarks/README.md,
-# "Per-call overhead"). They are skipped. Globals of the user's modules (``__main__``, their
-# packages) and of torch.nn's modules (global module hooks) keep their guards: changing one still
-# recompiles the step.
-_LIBRARY_GLOBALS = re.compile(
-    r"G\['(__builtins_dict___\d+|torch|torch_pytree|_replaces|_like_layout"
-    r"|__import_(functrain|dataclasses|contextlib|functools|torch_dot_(_functorch|_dynamo|utils_dot__pytree"
-    r"|nn_dot_utils_dot_(stateless|_named_member_accessor)))(_dot_\w+)?)'\]"
+# "Per-call overhead"). They are skipped. A guard whose path leaves the library through a module
+# attribute (``functrain.step``'s ``nn.functional.gelu`` is ``torch.nn.functional.gelu``, which a user
+# may patch), and every guard on the globals of the user's modules or of ``torch.nn``'s, is kept:
+# changing one still recompiles the step.
+_LIBRARY_MODULES = re.compile(
+    r"(functrain|dataclasses|contextlib|functools|math|torch\._functorch|torch\._dynamo|torch\.utils\._pytree"
+    r"|torch\.nn\.utils\.(stateless|_named_member_accessor))(\..+)?"
 )
+_GLOBAL_PATH = re.compile(r"G\['([^']+)'\]((?:\.\w+)*)")
+_MISSING = object()
+
+
+def _is_library_path(name: str) -> bool:
+    """Whether a global guard's source (``G['__import_functrain_dot_tree'].leaves.__code__``) starts at
+    a library module's global, or at one of this module's, and reaches no other module on its way."""
+    match = _GLOBAL_PATH.match(name)
+    if match is None:
+        return False
+    root, attrs = match.group(1), match.group(2)
+    if root.startswith("__builtins_dict___"):
+        return True
+    if root.startswith("__import_"):
+        module_name = root[len("__import_") :].replace("_dot_", ".")
+        obj = sys.modules.get(module_name, _MISSING) if _LIBRARY_MODULES.fullmatch(module_name) else _MISSING
+    else:  # a global of this module: the wrappers dynamo traces first live here
+        obj = globals().get(root, _MISSING)
+    for attr in ["", *attrs.split(".")[1:]]:
+        if attr:
+            obj = getattr(obj, attr, _MISSING)
+        if obj is _MISSING:
+            return False
+        if isinstance(obj, types.ModuleType) and not _LIBRARY_MODULES.fullmatch(obj.__name__):
+            return False
+    return True
 
 
 def _skip_library_guards(entries: list[Any]) -> list[bool]:
     """dynamo's ``guard_filter_fn``: keep every guard but those on library globals (see above)."""
-    return [not (entry.is_global and _LIBRARY_GLOBALS.match(entry.name)) for entry in entries]
-
-
-def _both_filters(first: Callable[[list[Any]], list[bool]], second: Callable[[list[Any]], list[bool]]) -> Any:
-    def keep(entries: list[Any]) -> list[bool]:
-        return [a and b for a, b in zip(first(entries), second(entries))]
-
-    return keep
+    return [not (entry.is_global and _is_library_path(entry.name)) for entry in entries]
 
 
 # ------------------------------------------------------------------------------------------ caches
@@ -378,13 +398,15 @@ class CompiledStep:
         # After the first compile, calls whose inputs pass a cached graph's guards skip dynamo's frame
         # evaluation (functrain.cache_hits): ~0.1 ms less host time per call.
         self._cache_hits = CacheHits(target)
+        # After a graph break the cached code calls resume functions that only dynamo's frame
+        # evaluation compiles: direct calls need the one graph of fullgraph=True.
+        self._cache_hits.enabled = self._cache_hits.enabled and fullgraph
         self._lookup_in_traceable = False
         if compile:
             config = dict(torch._inductor.list_mode_options(mode)) if mode else {}
             config.update(options or {})
-            guard_filter = _skip_library_guards
-            if "guard_filter_fn" in config:  # the caller's filter too: a guard is kept if both keep it
-                guard_filter = _both_filters(guard_filter, config.pop("guard_filter_fn"))
+            # The caller's own filter replaces jit's.
+            guard_filter = config.pop("guard_filter_fn", _skip_library_guards)
             backend = functools.partial(self._backend, config=config)
             self._compiled = torch.compile(
                 target,
@@ -478,8 +500,9 @@ class CompiledStep:
                 cached = self._cache_hits.lookup(state, args, kwargs)
                 if cached is not None:
                     return cached(state, *args, **kwargs)
+            missed_on_guards = self._cache_hits.missed_on_guards
             out = self._call_through_dynamo(state, args, kwargs)
-            if compiles and self.num_compiles == compiles and self._cache_hits.enabled:
+            if missed_on_guards and self.num_compiles == compiles and not self._lookup_in_traceable:
                 self._lookup_in_traceable = True
             return out
 
@@ -692,8 +715,9 @@ def jit(
             On the torch versions named in :data:`TORCH_WORKAROUNDS`, jit also sets the inductor
             options listed there (e.g. ``loop_ordering_after_fusion=False`` on torch 2.10-2.11),
             again unless ``options`` sets them.
-            ``options={"guard_filter_fn": f}`` is dynamo's, not inductor's: a guard is kept when both
-            ``f`` and jit's library-globals filter keep it.
+            ``options={"guard_filter_fn": f}`` is dynamo's, not inductor's: ``f`` replaces jit's
+            library-globals filter (``torch.compiler.skip_guard_on_globals_unsafe`` and its siblings
+            are such filters).
         max_compiles: compilations allowed before :class:`RecompileError` (or a warning); the error names
             the guard that failed.
         seed: seed the step's randomness from the state (on by default).

@@ -3,6 +3,7 @@ the direct path is taken, and everything dynamo would recompile for still recomp
 
 from __future__ import annotations
 
+import gc
 import types
 
 import pytest
@@ -28,11 +29,13 @@ def _entry(name: str, is_global: bool = True) -> types.SimpleNamespace:
 def test_library_guard_filter_keeps_user_and_nn_module_globals():
     dropped = [
         "G['__import_functrain_dot_tree'].leaves.__code__",
-        "G['__import_functrain_dot_optim_dot_transforms']._foreach",
+        "G['__import_functrain_dot_tree'].dataclasses.replace.__code__",
         "G['__builtins_dict___0']['isinstance']",
         "G['__import_torch_dot__functorch_dot_eager_transforms'].grad_and_value_impl",
         "G['__import_torch_dot_utils_dot__pytree'].SUPPORTED_NODES",
         "G['__import_torch_dot_nn_dot_utils_dot_stateless']._reparametrize_module",
+        "G['torch_pytree'].tree_flatten",  # a global of functrain.jit, where dynamo starts
+        "G['_replaces'].__code__",
     ]
     kept = [
         "G['__import___main__'].SCALE",
@@ -40,10 +43,75 @@ def test_library_guard_filter_keeps_user_and_nn_module_globals():
         "G['__import_functrainx'].value",  # a user package whose name starts like ours
         "G['__import_torch_dot_nn_dot_modules_dot_module']._global_forward_hooks",  # global module hooks
         "G['__import_torch_dot_utils_dot_checkpoint'].checkpoint",
+        # Public torch reached through a library module's global: a user may patch it.
+        "G['__import_functrain_dot_step'].nn.functional.gelu",
+        "G['__import_functrain_dot_step'].torch.nn.functional.gelu",
+        "G['torch'].nn.functional.gelu",
+        "G['__import_functrain_dot_tree'].no_such_attribute",  # unresolvable: kept
     ]
     entries = [_entry(n) for n in dropped + kept] + [_entry("L['state'].params['w']", is_global=False)]
     keep = _skip_library_guards(entries)
-    assert keep == [False] * len(dropped) + [True] * (len(kept) + 1)
+    assert keep == [False] * len(dropped) + [True] * (len(kept) + 1), [
+        e.name for e, k in zip(entries, keep) if k != (e.name in kept or not e.is_global)
+    ]
+
+
+@pytest.mark.compile
+def test_patching_a_torch_function_the_model_calls_recompiles(monkeypatch):
+    class Gelu(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.nn.functional.gelu(self.linear(x))
+
+    model = Gelu()
+    state = ft.TrainState.create(model, ft.optim.sgd(0.1), seed=0)
+    loss = ft.supervised_loss(F.mse_loss)
+    step = ft.jit(ft.make_eval_step(model, loss))
+    batch = (torch.randn(8, 4), torch.randn(8, 4))
+    step(state, batch)
+    monkeypatch.setattr(torch.nn.functional, "gelu", lambda x, approximate="none": torch.zeros_like(x))
+    patched = step(state, batch)["loss"]
+    assert step.num_compiles == 2
+    eager = ft.make_eval_step(model, loss)(state, batch)["loss"]  # with the patched gelu
+    assert torch.allclose(patched, eager, rtol=1e-5), (patched, eager)
+    assert torch.allclose(patched, F.mse_loss(torch.zeros(8, 4), batch[1]))
+
+
+@pytest.mark.compile
+def test_no_direct_calls_without_fullgraph_and_invalidated_entries_are_skipped():
+    def broken(state, x):
+        y = x.sin()
+        torch._dynamo.graph_break()
+        return state, y.cos()
+
+    step = ft.jit(broken, seed=False, fullgraph=False)
+    for _ in range(3):
+        assert torch.allclose(step(None, torch.ones(3))[1], torch.ones(3).sin().cos())
+    assert step._cache_hits.calls == 0, "resume functions after a graph break need dynamo's frame evaluation"
+
+    def make_box():
+        class Box:
+            def __init__(self, t):
+                self.t = t
+
+        return Box
+
+    def double(state, box):
+        return state, box.t * 2
+
+    step = ft.jit(double, seed=False)
+    box = make_box()(torch.ones(3))
+    step(None, box)
+    step(None, box)
+    del box  # dynamo invalidates the entry whose guards watched the freed class
+    gc.collect()
+    box = make_box()(torch.ones(3))
+    for _ in range(3):
+        assert torch.equal(step(None, box)[1], torch.full((3,), 2.0))
+    assert step._cache_hits.enabled and step.num_compiles == 2 and step._cache_hits.calls == 3
 
 
 @pytest.mark.compile
@@ -110,6 +178,8 @@ def test_reset_stance_and_a_user_guard_filter():
     with torch.compiler.set_stance("force_eager"):
         assert torch.equal(step(None, torch.ones(3))[1], torch.full((3,), 2.0))
     assert step._cache_hits.calls == calls, "a non-default stance goes through torch.compile"
+    step(None, torch.ones(3))
+    assert step._cache_hits.calls == calls + 1 and not step._lookup_in_traceable
 
 
 @pytest.mark.compile
