@@ -251,7 +251,7 @@ def _cpu_dropout_decompositions() -> dict[Any, Callable[..., Any]]:
 # ------------------------------------------------------------------------------------------ guards
 # Dynamo guards every global the trace read. Those that stay inside the code a functrain step runs
 # through (functrain's own modules, torch's functional_call/functorch/pytree internals, dataclasses,
-# builtins: ~180 of the ~1300 guards of a 100-leaf step) fail only if that library code itself is
+# builtins: ~150 of the ~1300 guards of a 100-leaf step) fail only if that library code itself is
 # monkeypatched during a run; evaluating them cost ~60 us per call here (benchmarks/README.md,
 # "Per-call overhead"). They are skipped. A guard whose path leaves the library through a module
 # attribute (``functrain.step``'s ``nn.functional.gelu`` is ``torch.nn.functional.gelu``, which a user
