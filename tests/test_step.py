@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 from models import SmallCNN, classification_batch, mlp
+from torch import nn
 
 import functrain as ft
 from functrain import tree
@@ -213,3 +216,38 @@ def test_predict_step():
     out = ft.make_predict_step(model)(state, (x, None))
     model.eval()
     torch.testing.assert_close(out, model(x))
+
+
+class _TiedLM(nn.Module):
+    """An embedding and an output layer sharing one weight (registered as embed.weight and head.weight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(7, 4)
+        self.head = nn.Linear(4, 7, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.embed(tokens)))
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.compile)])
+def test_tied_weights_get_both_uses_gradient_as_in_torch(compiled):
+    torch.manual_seed(0)
+    model = _TiedLM()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    loss = ft.supervised_loss(lambda logits, y: F.cross_entropy(logits.reshape(-1, 7), y.reshape(-1)))
+    state = ft.TrainState.create(model, ft.optim.sgd(0.5))
+    assert set(state.params) == {"embed.weight"}
+    step = ft.jit(ft.make_train_step(model, loss), compile=compiled)
+    for i in range(3):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randint(0, 7, (5, 3), generator=g), torch.randint(0, 7, (5, 3), generator=g)
+        state, _ = step(state, (x, y))
+        opt.zero_grad()
+        F.cross_entropy(reference(x).reshape(-1, 7), y.reshape(-1)).backward()
+        opt.step()
+    torch.testing.assert_close(state.params["embed.weight"], reference.embed.weight, rtol=1e-5, atol=1e-6)
+    out = ft.make_predict_step(model)(state, x)
+    torch.testing.assert_close(out, reference(x), rtol=1e-5, atol=1e-6)
