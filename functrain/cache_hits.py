@@ -28,13 +28,13 @@ drops it fails a test, not a user.
 
 Example:
     >>> hits = CacheHits(target)            # target: the function given to torch.compile
-    >>> run = hits.lookup(state, (batch,), {})
-    >>> out = run(state, batch) if run is not None else compiled(state, batch)
+    >>> out = hits.call(state, (batch,), {})
+    >>> if out is MISS:
+    ...     out = compiled(state, batch)
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 import types
@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CacheHits"]
+__all__ = ["MISS", "CacheHits", "with_code"]
 
 log = logging.getLogger(__name__)
 
@@ -71,71 +71,79 @@ def _takes_state_args_kwargs(code: types.CodeType) -> bool:
     )
 
 
+MISS = object()
+"""What :meth:`CacheHits.call` returns when no cached graph accepts the call."""
+
+
+def with_code(fn: Callable[..., Any], code: types.CodeType) -> Callable[..., Any]:
+    """A function running ``code`` with ``fn``'s globals, closure and defaults (named like ``fn``)."""
+    function = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    function.__kwdefaults__ = fn.__kwdefaults__
+    return function
+
+
 class CacheHits:
     """Direct calls of ``fn``'s dynamo cache entries (``fn``: a ``(state, *args, **kwargs)`` function
     given to ``torch.compile``). See the module docstring.
 
     Attributes:
-        enabled: whether lookups are made (off when dynamo's private API is missing or misbehaved).
-        calls: how many lookups found an entry (for tests and benchmarks).
-        missed_on_guards: whether the last lookup missed because no live entry's guards passed (not
+        enabled: whether lookups are made (``enabled=False``, or dynamo's private API missing or
+            misbehaved).
+        calls: how many calls ran a cached graph (for tests and benchmarks).
+        missed_on_guards: whether the last call missed because no live entry's guards passed (not
             because lookups are off, dynamo is tracing, or the stance is not the default).
     """
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], *, enabled: bool = True) -> None:
         code = getattr(fn, "__code__", None)
         self.fn = fn
-        self.enabled = _cache_entries is not None and code is not None and _takes_state_args_kwargs(code)
+        self.enabled = (
+            enabled and _cache_entries is not None and code is not None and _takes_state_args_kwargs(code)
+        )
         self.calls = 0
         self.missed_on_guards = False
         self._functions: dict[types.CodeType, Callable[..., Any]] = {}
 
-    def lookup(self, state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[..., Any] | None:
-        """The cached code to call as ``run(state, *args, **kwargs)``, or ``None`` to go through
-        ``torch.compile`` (no entry's guards pass, or dynamo is tracing, or a non-default stance)."""
+    def call(self, state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``fn(state, *args, **kwargs)`` run by the cached graph whose guards accept it, or :data:`MISS`
+        (go through ``torch.compile``: no entry accepts it, dynamo is tracing, or a non-default stance)."""
+        function, annotation = self._lookup(state, args, kwargs)
+        if function is None:
+            return MISS
+        self.calls += 1
+        if torch.autograd.profiler._is_profiler_enabled:  # the range dynamo's own call records
+            with torch.profiler.record_function(annotation):
+                return function(state, *args, **kwargs)
+        return function(state, *args, **kwargs)
+
+    def _lookup(self, state: Any, args: tuple, kwargs: dict) -> tuple[Callable[..., Any] | None, str]:
         self.missed_on_guards = False
         if not self.enabled or torch.compiler.is_compiling() or _stance() != "default":
-            return None
+            return None, ""
         fn = self.fn
         try:
             entries = _cache_entries(fn.__code__)
             if not entries:
-                return None
+                return None, ""
             # The frame's locals as dynamo's guards see them: arguments by name, closure cells' contents.
             f_locals = {"state": state, "args": args, "kwargs": kwargs}
             for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
                 f_locals[name] = cell.cell_contents
             for entry in entries:
-                # An entry invalidated by dynamo (an object its guards watched was freed) keeps its
-                # place with no code and a guard manager that no call may pass.
-                if entry.code is None or type(entry.guard_manager).__name__ == "DeletedGuardManagerWrapper":
-                    continue
-                if entry.guard_manager.check(f_locals):
-                    function = self._function(entry.code, len(entries))
-                    self.calls += 1
-                    if torch.autograd.profiler._is_profiler_enabled:  # the range dynamo's call records
-                        return functools.partial(_in_profiler_range, entry.trace_annotation, function)
-                    return function
+                # An entry dynamo invalidated (an object its guards watched was freed) keeps its place,
+                # without code.
+                if entry.code is not None and entry.guard_manager.check(f_locals):
+                    return self._function(entry.code, len(entries)), entry.trace_annotation
             self.missed_on_guards = True
         except Exception as e:  # dynamo's private API changed: use torch.compile's path from now on
             self.enabled = False
             log.warning("functrain.cache_hits: direct calls off (%s: %s)", type(e).__name__, e)
-        return None
+        return None, ""
 
     def _function(self, code: types.CodeType, live_entries: int) -> Callable[..., Any]:
         function = self._functions.get(code)
         if function is None:
             if len(self._functions) > 2 * live_entries + 8:  # entries dropped by recompiles and resets
                 self._functions.clear()
-            fn = self.fn
-            function = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-            function.__kwdefaults__ = fn.__kwdefaults__
-            self._functions[code] = function
+            function = self._functions[code] = with_code(self.fn, code)
         return function
-
-
-def _in_profiler_range(name: str, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``function(*args, **kwargs)`` inside a profiler range ``name`` ("Torch-Compiled Region: 0/0", as
-    dynamo records around a cached graph), so a trace reads the same with direct calls."""
-    with torch.profiler.record_function(name):
-        return function(*args, **kwargs)

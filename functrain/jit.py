@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -30,7 +31,7 @@ import torch._dynamo
 import torch.utils._pytree as torch_pytree
 
 from functrain import random, tree
-from functrain.cache_hits import CacheHits
+from functrain.cache_hits import MISS, CacheHits, with_code
 from functrain.distributed.env import rank as distributed_rank
 from functrain.remat import RematRandomnessError
 from functrain.traceable import traceable
@@ -279,14 +280,18 @@ def _is_library_path(name: str) -> bool:
         obj = sys.modules.get(module_name, _MISSING) if _LIBRARY_MODULES.fullmatch(module_name) else _MISSING
     else:  # a global of this module: the wrappers dynamo traces first live here
         obj = globals().get(root, _MISSING)
-    for attr in ["", *attrs.split(".")[1:]]:
-        if attr:
-            obj = getattr(obj, attr, _MISSING)
-        if obj is _MISSING:
+    for attr in attrs.split(".")[1:]:
+        if _outside_library(obj):
             return False
-        if isinstance(obj, types.ModuleType) and not _LIBRARY_MODULES.fullmatch(obj.__name__):
-            return False
-    return True
+        obj = getattr(obj, attr, _MISSING)
+    return not _outside_library(obj)
+
+
+def _outside_library(obj: Any) -> bool:
+    """Missing, or a module that is not library code (a path through it may reach what users patch)."""
+    return obj is _MISSING or (
+        isinstance(obj, types.ModuleType) and not _LIBRARY_MODULES.fullmatch(obj.__name__)
+    )
 
 
 def _skip_library_guards(entries: list[Any]) -> list[bool]:
@@ -397,10 +402,9 @@ class CompiledStep:
         self._eager = target
         # After the first compile, calls whose inputs pass a cached graph's guards skip dynamo's frame
         # evaluation (functrain.cache_hits): ~0.1 ms less host time per call.
-        self._cache_hits = CacheHits(target)
         # After a graph break the cached code calls resume functions that only dynamo's frame
         # evaluation compiles: direct calls need the one graph of fullgraph=True.
-        self._cache_hits.enabled = self._cache_hits.enabled and fullgraph
+        self._cache_hits = CacheHits(target, enabled=compile and fullgraph)
         self._lookup_in_traceable = False
         if compile:
             config = dict(torch._inductor.list_mode_options(mode)) if mode else {}
@@ -488,23 +492,20 @@ class CompiledStep:
         # After the first compile, a call that a compiled graph's guards accept runs that graph directly.
         # The lookup runs outside ``traceable`` (its patches matter only while dynamo traces), unless
         # the graph guards one of them (a model that calls torch.utils.checkpoint, an RNN): then a
-        # lookup outside missed once while dynamo's own lookup inside found the graph.
-        if self.num_compiles and not self._lookup_in_traceable:
-            cached = self._cache_hits.lookup(state, args, kwargs)
-            if cached is not None:
-                return cached(state, *args, **kwargs)
+        # lookup outside missed while dynamo's own lookup inside found the graph without compiling.
+        model = getattr(self.fn, "model", None)
+        if self.num_compiles:
+            with traceable(model, compiled=True) if self._lookup_in_traceable else contextlib.nullcontext():
+                out = self._cache_hits.call(state, args, kwargs)
+            if out is not MISS:
+                return out
+        compiles = self.num_compiles
         # The model's torch.utils.checkpoint, RNNs and log calls, made traceable (functrain.traceable).
-        with traceable(getattr(self.fn, "model", None), compiled=self.compile):
-            compiles = self.num_compiles
-            if compiles and self._lookup_in_traceable:
-                cached = self._cache_hits.lookup(state, args, kwargs)
-                if cached is not None:
-                    return cached(state, *args, **kwargs)
-            missed_on_guards = self._cache_hits.missed_on_guards
+        with traceable(model, compiled=self.compile):
             out = self._call_through_dynamo(state, args, kwargs)
-            if missed_on_guards and self.num_compiles == compiles and not self._lookup_in_traceable:
-                self._lookup_in_traceable = True
-            return out
+        if compiles and self.num_compiles == compiles and self._cache_hits.missed_on_guards:
+            self._lookup_in_traceable = True
+        return out
 
     def _call_through_dynamo(self, state: Any, args: tuple, kwargs: dict) -> Any:
         """Call the step through ``torch.compile`` (or eagerly), compiling if dynamo has to."""
@@ -592,11 +593,7 @@ def _with_own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
     the other steps' guards, their compiles would count toward dynamo's recompile limit, and a
     recompile would be explained by another step's guard failure.
     """
-    own = types.FunctionType(
-        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
-    )
-    own.__kwdefaults__ = fn.__kwdefaults__
-    return functools.update_wrapper(own, fn)
+    return functools.update_wrapper(with_code(fn, fn.__code__.replace()), fn)
 
 
 def _donating(fn: Callable[..., Any]) -> Callable[..., Any]:
