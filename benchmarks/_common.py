@@ -153,16 +153,19 @@ def ft_step_fn(
     *,
     donate: bool = False,
     jit_kwargs: dict | None = None,
+    tx: Any = None,
     **step_kwargs: Any,
 ) -> Callable[[], None]:
-    """A zero-argument callable running one ``ft.jit`` AdamW step on ``batch``; ``.compiled`` is the step.
+    """A zero-argument callable running one ``ft.jit`` step (``tx``, default AdamW) on ``batch``;
+    ``.compiled`` is the step.
 
     The state shares the model's weights (``copy=False``) instead of holding a second copy of them.
     ``step_kwargs`` go to :func:`functrain.make_train_step` (``precision="bf16"``, ...).
     """
-    import functrain as ft  # here: compile.py picks the functrain checkout after importing this module
+    import functrain as ft  # imported on first use: the scripts import this module first
 
-    state = ft.TrainState.create(model, ft.optim.adamw(LR, weight_decay=WEIGHT_DECAY), copy=False)
+    tx = tx if tx is not None else ft.optim.adamw(LR, weight_decay=WEIGHT_DECAY)
+    state = ft.TrainState.create(model, tx, copy=False)
     step = ft.jit(
         ft.make_train_step(model, ft.supervised_loss(criterion), **step_kwargs),
         donate=donate,
@@ -197,6 +200,17 @@ def timed(fn: Callable[[], Any], n: int) -> float:
     return (time.perf_counter() - t0) * 1e3 / n
 
 
+def interleaved(fns: dict[str, Callable[[], Any]], repeats: int, calls: int) -> dict[str, list[float]]:
+    """``{name: [ms per call, one per repeat]}``: each repeat times ``calls`` calls of every function,
+    starting one function later each repeat, so that a drift of the machine's speed spreads evenly."""
+    names = list(fns)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            times[name].append(timed(fns[name], calls))
+    return times
+
+
 # ------------------------------------------------------------------------------------------ children
 
 
@@ -215,9 +229,13 @@ def run_child(script: str, args: list[str], what: str, **env: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def write_report(text: str, out: str | Path) -> None:
-    """Print the report ``text`` and write it to ``out`` (creating its folder)."""
-    print(text)
+def write_report(text: str, out: str | Path, *, echo: bool = True) -> None:
+    """Print the report ``text`` (unless ``echo=False``: already printed piece by piece) and write it
+    to ``out`` (creating its folder)."""
+    if echo:
+        print(text)
+    else:
+        print(f"wrote {out}")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text.rstrip("\n") + "\n")

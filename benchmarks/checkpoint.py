@@ -25,7 +25,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -116,24 +115,8 @@ def worker(operation: str, library: str, path: str, gib: float, step: int) -> di
 
 
 def _run_worker(operation: str, library: str, path: str, gib: float, step: int) -> dict:
-    output = subprocess.run(
-        [
-            sys.executable,
-            __file__,
-            "--worker",
-            operation,
-            library,
-            path,
-            "--gib",
-            str(gib),
-            "--step",
-            str(step),
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    return json.loads(output.strip().splitlines()[-1])
+    args = ["--worker", operation, library, path, "--gib", str(gib), "--step", str(step)]
+    return common.run_child(__file__, args, f"{operation} with {library}")
 
 
 def _paths(folder: str) -> dict[str, str]:

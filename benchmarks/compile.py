@@ -112,8 +112,8 @@ def _step_fn(variant: str, layers: int, cache_dir: str | None, jit_kwargs: dict)
     x, y = gpt_batch()
     model.train()
     if variant.startswith("ft"):
-        state = ft.TrainState.create(model, ft.optim.adamw(common.LR, weight_decay=common.WEIGHT_DECAY))
         if variant == "ft-trace":  # dynamo's trace alone (and functrain's own work in it): no inductor
+            state = ft.TrainState.create(model, ft.optim.adamw(common.LR, weight_decay=common.WEIGHT_DECAY))
             traced = torch.compile(
                 ft.make_train_step(model, ft.supervised_loss(lm_loss)), fullgraph=True,
                 backend=lambda gm, example_inputs: gm.forward,
@@ -126,14 +126,7 @@ def _step_fn(variant: str, layers: int, cache_dir: str | None, jit_kwargs: dict)
         kwargs = dict(jit_kwargs)
         if "cache_dir" in inspect.signature(ft.jit).parameters:
             kwargs.setdefault("cache_dir", os.path.join(cache_dir, "functrain"))
-        step = ft.jit(ft.make_train_step(model, ft.supervised_loss(lm_loss)), **kwargs)
-        box = [state]
-
-        def ft_step() -> None:
-            box[0], _ = step(box[0], (x, y))
-
-        ft_step.compiled = step  # type: ignore[attr-defined]
-        return ft_step
+        return common.ft_step_fn(model, lm_loss, (x, y), jit_kwargs=kwargs)
     opt = torch.optim.AdamW(model.parameters(), lr=common.LR, weight_decay=common.WEIGHT_DECAY)
     if variant == "torch-model":
         forward = torch.compile(lambda x, y: lm_loss(model(x), y))
@@ -169,21 +162,13 @@ def child(variant: str, layers: int, cache_dir: str | None, jit_kwargs: dict, pr
         prof.disable()
     for _ in range(2):
         fn()
-    t0 = time.perf_counter()
-    n = 5
-    for _ in range(n):
-        fn()
-    steady = (time.perf_counter() - t0) / n
+    steady = common.timed(fn, 5) / 1e3
     out = {
         "compile_s": first - steady,
         "step_ms": steady * 1e3,
         "fx_cache_hits": counters["inductor"]["fxgraph_cache_hit"],
         "aot_cache_hits": counters["aot_autograd"]["autograd_cache_hit"],
     }
-    compiled = getattr(fn, "compiled", None)
-    if compiled is not None:
-        out["num_compiles"] = compiled.num_compiles
-        out["reported_compile_s"] = getattr(compiled, "compile_seconds", float("nan"))
     if profile:
         headers, values = compile_times(repr="csv", aggregate=True)
         out["compile_times"] = {h: float(v) for h, v in zip(headers, values)}
@@ -303,24 +288,11 @@ def overhead(repeats: int, calls: int, depth: int = 16) -> dict[str, tuple[float
     )
     raw(state, batch)
     graph, inputs = graphs[-1]
-    step = ft.jit(ft.make_train_step(model, ft.supervised_loss(F.mse_loss)))
-    box = [state]
-
-    def ft_call() -> None:
-        box[0], _ = step(box[0], batch)
-
-    fns = {"ft step": ft_call}
+    ft_call = common.ft_step_fn(model, F.mse_loss, batch, tx=ft.optim.adam(1e-3))
     # The same step with functrain.cache_hits off: every call through dynamo's frame evaluation.
-    hits = getattr(step, "_cache_hits", None)
-    if hits is not None:
-        through_dynamo = ft.jit(ft.make_train_step(model, ft.supervised_loss(F.mse_loss)))
-        through_dynamo._cache_hits.enabled = False
-        box_dynamo = [state]
-
-        def ft_dynamo_call() -> None:
-            box_dynamo[0], _ = through_dynamo(box_dynamo[0], batch)
-
-        fns["ft step, direct calls off"] = ft_dynamo_call
+    through_dynamo = common.ft_step_fn(model, F.mse_loss, batch, tx=ft.optim.adam(1e-3))
+    through_dynamo.compiled._cache_hits.enabled = False  # type: ignore[attr-defined]
+    fns = {"ft step": ft_call, "ft step, direct calls off": through_dynamo}
 
     def direct_call() -> None:
         graph(*inputs)
@@ -335,12 +307,8 @@ def overhead(repeats: int, calls: int, depth: int = 16) -> dict[str, tuple[float
     for _ in range(20):
         for fn in fns.values():
             fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    names = list(fns)
-    for r in range(repeats):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            times[name].append(common.timed(fns[name], calls))
-    print(f"  state leaves: {n_leaves}, compiles: {step.num_compiles}")
+    times = common.interleaved(fns, repeats, calls)
+    print(f"  state leaves: {n_leaves}, compiles: {ft_call.compiled.num_compiles}")  # type: ignore[attr-defined]
     return {k: common.median_spread(v) for k, v in times.items()}
 
 

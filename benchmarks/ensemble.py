@@ -117,15 +117,9 @@ def measure(
     compile_s = time.perf_counter() - t0
     for _ in range(2):
         seq_fn()
-    vmap_ms, seq_ms, ratios = [], [], []
-    for r in range(repeats):
-        first, second = (vmap_fn, seq_fn) if r % 2 == 0 else (seq_fn, vmap_fn)
-        a = common.timed(first, steps)
-        b = common.timed(second, steps)
-        v, s = (a, b) if r % 2 == 0 else (b, a)
-        vmap_ms.append(v)
-        seq_ms.append(s)
-        ratios.append(s / v)
+    times = common.interleaved({"vmap": vmap_fn, "sequential": seq_fn}, repeats, steps)
+    vmap_ms, seq_ms = times["vmap"], times["sequential"]
+    ratios = [s / v for v, s in zip(vmap_ms, seq_ms)]
     if vmap_step.num_compiles != 1:
         print(
             f"warning: {workload.name} N={n}: the vmapped step compiled {vmap_step.num_compiles} times",

@@ -348,9 +348,7 @@ def main() -> None:
     )
     out = args.out or (None if args.quick else str(Path(__file__).parent / "results" / "gpu.md"))
     if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(text + "\n")
-        print(f"wrote {out}")
+        common.write_report(text, out, echo=False)
 
 
 if __name__ == "__main__":

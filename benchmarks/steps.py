@@ -80,11 +80,7 @@ def time_workload(
         fns[v] = make_variant(v, workload, jit_kwargs)
         for _ in range(3):  # compile and warm up
             fns[v]()
-    times: dict[str, list[float]] = {v: [] for v in variants}
-    for r in range(repeats):
-        order = variants[r % len(variants) :] + variants[: r % len(variants)]
-        for v in order:
-            times[v].append(common.timed(fns[v], steps))
+    times = common.interleaved(fns, repeats, steps)
     for v, fn in fns.items():
         compiled = getattr(fn, "compiled", None)
         if compiled is not None and compiled.num_compiles != 1:
@@ -246,10 +242,7 @@ def main() -> None:
             *sections,
         ]
     )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text + "\n")
-    print(f"wrote {out}")
+    common.write_report(text, args.out, echo=False)
 
 
 if __name__ == "__main__":
