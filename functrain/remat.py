@@ -35,6 +35,8 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from functrain._patch import patched
+
 __all__ = ["Remat", "RematRandomnessError", "checkpoint", "remat", "routed_checkpoint"]
 
 _TORCH_CHECKPOINT = torch_checkpoint.checkpoint
@@ -411,31 +413,26 @@ def routed_checkpoint(model: Any = None) -> Iterator[None]:
     if torch_checkpoint.checkpoint is not _TORCH_CHECKPOINT:  # already routed (nested steps)
         yield
         return
-    patched: list[tuple[nn.Module, Any]] = []
+    changes: list[tuple[Any, str, Any]] = [(torch_checkpoint, "checkpoint", checkpoint)]
     if isinstance(model, nn.Module):
         for module in _checkpointing_layers(model):
             original = module.__dict__.get("_gradient_checkpointing_func")
             bound = _torch_checkpoint_kwargs(original)
             if bound is not None:
-                patched.append((module, original))
                 # The same object every call: dynamo guards on its identity (a new one would recompile).
                 cached = _ROUTED.get(module)
                 if cached is None or cached[0] is not original:
                     cached = _ROUTED[module] = (original, functools.partial(checkpoint, **bound))
-                module._gradient_checkpointing_func = cached[1]
-    torch_checkpoint.checkpoint = checkpoint
-    try:
-        yield
-    except RuntimeError as e:
-        if not any(sign in str(e) for sign in _UNROUTED_CHECKPOINT):
-            raise
-        raise RuntimeError(
-            "the model calls torch.utils.checkpoint through a reference functrain cannot route (e.g. "
-            "`from torch.utils.checkpoint import checkpoint` at import time), and torch's checkpoint "
-            f"cannot run under torch.func.grad ({str(e).splitlines()[0]}). Wrap the block with "
-            "ft.remat(block) instead, or call it as torch.utils.checkpoint.checkpoint(...)."
-        ) from e
-    finally:
-        torch_checkpoint.checkpoint = _TORCH_CHECKPOINT
-        for module, original in patched:
-            module._gradient_checkpointing_func = original
+                changes.append((module, "_gradient_checkpointing_func", cached[1]))
+    with patched(changes):
+        try:
+            yield
+        except RuntimeError as e:
+            if not any(sign in str(e) for sign in _UNROUTED_CHECKPOINT):
+                raise
+            raise RuntimeError(
+                "the model calls torch.utils.checkpoint through a reference functrain cannot route (e.g. "
+                "`from torch.utils.checkpoint import checkpoint` at import time), and torch's checkpoint "
+                f"cannot run under torch.func.grad ({str(e).splitlines()[0]}). Wrap the block with "
+                "ft.remat(block) instead, or call it as torch.utils.checkpoint.checkpoint(...)."
+            ) from e

@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
+from functrain._patch import patched
+
 __all__ = ["functional_rnns", "rnn_forward"]
 
 _RECURRENT = (nn.RNN, nn.GRU, nn.LSTM)
@@ -185,20 +187,18 @@ def functional_rnns(model: Any) -> Iterator[None]:
         ...     out = model(x)
     """
     modules = _recurrent_modules(model) if isinstance(model, nn.Module) else []
-    if not modules or all(isinstance(m.__dict__.get("forward"), functools.partial) for m in modules):
+    if not modules or all(m in _FORWARDS and m.__dict__.get("forward") is _FORWARDS[m] for m in modules):
         yield  # nothing to route, or already routed (nested steps)
         return
-    config = torch._dynamo.config
-    allow = config.allow_rnn
     for m in modules:
         # The same object every call: dynamo guards on its identity (a new one would recompile).
         if m not in _FORWARDS:
             _FORWARDS[m] = functools.partial(rnn_forward, m)
-        m.forward = _FORWARDS[m]
+    config = torch._dynamo.config
+    allow = config.allow_rnn
     config.allow_rnn = True
     try:
-        yield
+        with patched((m, "forward", _FORWARDS[m]) for m in modules):  # a forward set before comes back
+            yield
     finally:
         config.allow_rnn = allow
-        for m in modules:
-            del m.forward

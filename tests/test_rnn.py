@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import pytest
 import torch
@@ -115,6 +116,17 @@ def test_routing_swaps_and_restores_forward() -> None:
     with functional_rnns(model):
         assert "forward" in model.rnn.__dict__ and torch._dynamo.config.allow_rnn
     assert "forward" not in model.rnn.__dict__ and not torch._dynamo.config.allow_rnn
+
+
+def test_routing_puts_back_a_forward_set_on_the_module() -> None:
+    """A forward the module already had on itself (a hook, ft.remat, a partial) survives the block, and
+    a partial one does not make the block think the module is routed already."""
+    gru = nn.GRU(3, 4, batch_first=True)
+    own = functools.partial(nn.GRU.forward, gru)
+    gru.forward = own
+    with functional_rnns(gru):
+        assert gru.forward is not own and gru.forward.func is rnn_forward
+    assert gru.__dict__["forward"] is own
 
 
 @pytest.mark.compile
