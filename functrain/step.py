@@ -39,6 +39,7 @@ from functrain import tree
 from functrain.optim import all_finite, apply_updates
 from functrain.precision import autocast_dtype
 from functrain.remat import routed_checkpoint
+from functrain.state import model_variables
 
 __all__ = [
     "LossFn",
@@ -162,26 +163,11 @@ def _check_state_matches(state: Any, expected: frozenset[str] | None) -> None:
 
 
 def _tied_aliases(model: nn.Module | ApplyFn) -> dict[str, str]:
-    """``{alias: name}`` for every parameter or buffer registered under more than one name (tied
-    weights): ``name`` is the first, the one ``named_parameters()`` and so the state use.
-
-    Computed once when a step is built, so that ``functional_call`` runs with ``tie_weights=False``
-    and does not look for tied weights in every trace (~0.4 s of the 8.5 s dynamo trace of a 12-layer
-    GPT's step, benchmarks/README.md).
-    """
-    if not isinstance(model, nn.Module):
-        return {}
-    first: dict[int, str] = {}
-    aliases: dict[str, str] = {}
-    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
-    for name, tensor in named:
-        if tensor is None:
-            continue
-        if id(tensor) in first:
-            aliases[name] = first[id(tensor)]
-        else:
-            first[id(tensor)] = name
-    return aliases
+    """``{alias: name}`` of the model's tied weights (:func:`functrain.state.model_variables`' ``tied``):
+    found once when a step is built, so that ``functional_call`` runs with ``tie_weights=False`` and does
+    not look for them in every trace (~0.4 s of the 8.5 s dynamo trace of a 12-layer GPT's step,
+    benchmarks/README.md)."""
+    return dict(model_variables(model, copy=False)[2]) if isinstance(model, nn.Module) else {}
 
 
 def _make_call(
@@ -190,10 +176,8 @@ def _make_call(
     """``call(*inputs)``: the model run on ``params`` and ``buffers`` (``aliases``: from
     :func:`_tied_aliases`, the model's tied names, each given its first name's tensor)."""
     if isinstance(model, nn.Module):
-        tensors: Any = (params, buffers)
-        if aliases:
-            tensors = {**params, **buffers}
-            tensors.update({alias: tensors[name] for alias, name in aliases.items() if name in tensors})
+        tensors = {**params, **buffers}
+        tensors.update({alias: tensors[name] for alias, name in aliases.items() if name in tensors})
 
         def call(*args: Any, **kwargs: Any) -> Any:
             return functional_call(model, tensors, args, kwargs, tie_weights=False, strict=False)
@@ -312,20 +296,20 @@ def make_train_step(
         loss = torch.zeros((), device=_device_of(state.params))
         extra: dict[str, torch.Tensor] = {}
         preds, targets = [], []
-        for mb in micro:
-            weight = num_examples(mb) / total if accumulate > 1 else 1.0
-            with _checkpoint_routing(model):
+        with _checkpoint_routing(model):
+            for mb in micro:
+                weight = num_examples(mb) / total if accumulate > 1 else 1.0
                 g, (_, (mb_loss, aux, buffers)) = grad_fn(state.params, buffers, mb, scale)
-            if accumulate > 1:
-                g = tree.map(lambda x, w=weight: x * w, g)
-            grads = g if grads is None else tree.map(torch.add, grads, g)
-            loss = loss + mb_loss * weight
-            for name, value in dict(aux.get("metrics", {})).items():
-                extra[name] = extra.get(name, 0) + value.detach().float() * weight
-            if "preds" in aux:
-                preds.append(aux["preds"])
-            if "target" in aux:
-                targets.append(aux["target"])
+                if accumulate > 1:
+                    g = tree.map(lambda x, w=weight: x * w, g)
+                grads = g if grads is None else tree.map(torch.add, grads, g)
+                loss = loss + mb_loss * weight
+                for name, value in dict(aux.get("metrics", {})).items():
+                    extra[name] = extra.get(name, 0) + value.detach().float() * weight
+                if "preds" in aux:
+                    preds.append(aux["preds"])
+                if "target" in aux:
+                    targets.append(aux["target"])
 
         if gradient_reducer is not None:
             grads, loss, extra, buffers = gradient_reducer(

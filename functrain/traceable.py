@@ -31,9 +31,13 @@ __all__ = ["traceable"]
 def traceable(model: Any, *, compiled: bool = True) -> Iterator[None]:
     """Apply the three changes above to ``model`` (an ``nn.Module``; anything else: logging only).
 
-    With ``compiled=False`` (an eager step) recurrent modules keep torch's kernel, which
-    ``torch.func.grad`` runs (and cuDNN's is much faster than a loop).
+    With ``compiled=False`` (an eager step) only the checkpoint routing applies: recurrent modules keep
+    torch's kernel, which ``torch.func.grad`` runs (and cuDNN's is much faster than a loop), and log
+    calls need no help outside dynamo.
     """
-    rnns = functional_rnns(model) if compiled else contextlib.nullcontext()
-    with routed_checkpoint(model), rnns, ignored_logging():
+    if not compiled:  # no dynamo: only torch.utils.checkpoint needs routing (torch.func.grad)
+        with routed_checkpoint(model):
+            yield
+        return
+    with routed_checkpoint(model), functional_rnns(model), ignored_logging():
         yield
