@@ -36,8 +36,10 @@ def test_sweep_field_accepts_lists_comma_strings_and_nested_keys():
     [
         ({"batch_size": [16, 32]}, "sweep.batch_size", "cannot be swept in one ensemble"),
         ({"optimizer.lrr": [0.1]}, "sweep.optimizer.lrr", "did you mean 'optimizer.lr'"),
-        ({"optimizer.lr": [0.1, 0]}, "sweep.optimizer.lr[1]", "out of range"),
-        ({"seed": ["a"]}, "sweep.seed[0]", "not a int"),
+        # each value is checked as the field itself checks it (its type, bounds, finiteness)
+        ({"optimizer.lr": [0.1, 0]}, "sweep.optimizer.lr[1]", "must be > 0"),
+        ({"optimizer.lr": "1e-3,nan"}, "sweep.optimizer.lr[1]", "must be a finite number"),
+        ({"seed": ["a"]}, "sweep.seed[0]", "expected an integer"),
         ({"seed": [1, 1]}, "sweep.seed", "twice"),
     ],
 )

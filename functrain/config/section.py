@@ -33,6 +33,7 @@ from functrain.config.names import RENAMED_FIELDS
 
 __all__ = [
     "ConfigSection",
+    "checked_value",
     "config_section",
     "field_docs",
     "leaf_paths",
@@ -120,11 +121,7 @@ class ConfigSection:
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             path = type(self).field_path(f.name)
             try:
-                value = getattr(self, f.name)
-                if f.metadata.get("normalize") is not None:
-                    value = f.metadata["normalize"](value, path)
-                value = coerce(value, hints[f.name], path)
-                _check_bounds(value, f.metadata, path)
+                value = checked_value(f, hints[f.name], getattr(self, f.name), path)
             except ConfigError as err:
                 problems += err.problems
                 failed.add(f.name)
@@ -272,6 +269,16 @@ def section_of(hint: Any) -> type[ConfigSection] | None:
 def type_hints(cls: type) -> dict[str, Any]:
     """The resolved type hints of a section's fields (cached: sections are built often)."""
     return typing.get_type_hints(cls)
+
+
+def checked_value(field: dataclasses.Field[Any], hint: Any, value: Any, path: str) -> Any:
+    """``value`` for a section's ``field`` (type ``hint``) as the section stores it: normalized,
+    converted and checked against the field's bounds; raises :class:`ConfigError` naming ``path``."""
+    if field.metadata.get("normalize") is not None:
+        value = field.metadata["normalize"](value, path)
+    value = coerce(value, hint, path)
+    _check_bounds(value, field.metadata, path)
+    return value
 
 
 def _check_bounds(value: Any, metadata: Mapping[str, Any], path: str) -> None:

@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,11 +27,12 @@ from functrain.config.errors import ConfigError, Problem, suggestion
 
 __all__ = ["SWEEPABLE", "normalize_sweep"]
 
-# path -> (type, smallest allowed value, whether the smallest is allowed)
-SWEEPABLE: dict[str, tuple[type, float, bool]] = {
-    "optimizer.lr": (float, 0.0, False),
-    "optimizer.weight_decay": (float, 0.0, True),
-    "seed": (int, 0, True),
+# Each sweepable path -> the optimizer-state hyperparameter that carries it in the ensemble's state
+# (None: the seed, carried by each member's initialisation and random key).
+SWEEPABLE: dict[str, str | None] = {
+    "optimizer.lr": "learning_rate",
+    "optimizer.weight_decay": "weight_decay",
+    "seed": None,
 }
 
 
@@ -45,30 +47,44 @@ def _flatten(value: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _values(raw: Any, kind: type, where: str) -> tuple[list[Any], list[Problem]]:
+def _field(path: str) -> tuple[dataclasses.Field[Any], Any]:
+    """The config field at a dotted ``path`` of :class:`TrainerConfig` and its type hint."""
+    from functrain.config.section import section_of, type_hints
+    from functrain.config.trainer_config import TrainerConfig  # imported when a config is built
+
+    cls: Any = TrainerConfig
+    *sections, name = path.split(".")
+    for section in sections:
+        cls = section_of(type_hints(cls)[section])
+    field = {f.name: f for f in dataclasses.fields(cls)}[name]
+    return field, type_hints(cls)[name]
+
+
+def _values(raw: Any, path: str, where: str) -> tuple[list[Any], list[Problem]]:
+    """The values listed for ``path``, each converted and checked as the field itself would be."""
+    from functrain.config.section import checked_value
+
     if isinstance(raw, str):
         raw = [part.strip() for part in raw.split(",") if part.strip()]
     elif not isinstance(raw, list | tuple):
         raw = [raw]
     if not raw:
         return [], [Problem(where, "has no values", "give at least one value, e.g. [1e-3, 3e-3]")]
+    field, hint = _field(path)
     out, problems = [], []
     for i, item in enumerate(raw):
         try:
-            if isinstance(item, bool):
-                raise ValueError
-            number = kind(float(item)) if kind is int and float(item).is_integer() else kind(item)
-        except (TypeError, ValueError):
-            problems.append(Problem(f"{where}[{i}]", f"{item!r} is not a {kind.__name__}", "give numbers"))
-            continue
-        out.append(number)
+            out.append(checked_value(field, hint, item, f"{where}[{i}]"))
+        except ConfigError as err:
+            problems += err.problems
     if len(set(out)) != len(out):
         problems.append(Problem(where, f"lists a value twice: {raw}", "give each value once"))
     return out, problems
 
 
 def normalize_sweep(value: Any, path: str) -> dict[str, list[Any]]:
-    """The ``sweep`` mapping as ``{dotted path: [values]}``, checked: sweepable fields, numbers, bounds."""
+    """The ``sweep`` mapping as ``{dotted path: [values]}``, checked: sweepable fields, and each value as
+    its field checks it (type, finiteness, bounds)."""
     if value is None:
         return {}
     if not isinstance(value, Mapping):
@@ -92,13 +108,8 @@ def normalize_sweep(value: Any, path: str) -> dict[str, list[Any]]:
                 )
             )
             continue
-        kind, low, inclusive = SWEEPABLE[key]
-        values, bad = _values(raw, kind, where)
+        values, bad = _values(raw, key, where)
         problems += bad
-        for i, v in enumerate(values):
-            if v < low or (v == low and not inclusive):
-                bound = f">= {low}" if inclusive else f"> {low}"
-                problems.append(Problem(f"{where}[{i}]", f"{v} is out of range", f"give values {bound}"))
         out[key] = values
     if problems:
         raise ConfigError(problems)

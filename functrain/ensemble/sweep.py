@@ -27,18 +27,17 @@ import torch
 from torch import nn
 
 from functrain import optim
+from functrain.config.sweep import SWEEPABLE
 from functrain.ensemble.stacked import create
 from functrain.logging.history import History
 from functrain.logging.members import lower_is_better, member_key
 from functrain.logging.plot import save_panels
+from functrain.optim.hyperparams import names_of
 from functrain.state import TrainState
 
 __all__ = ["best_index", "grid", "label", "plot_sweep", "results", "sweep_state", "write_results"]
 
 log = logging.getLogger("functrain.ensemble")
-
-# swept config path -> the optimizer-state hyperparameter that carries it
-_HYPERPARAMS = {"optimizer.lr": "learning_rate", "optimizer.weight_decay": "weight_decay"}
 
 
 def grid(sweep: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
@@ -55,14 +54,6 @@ def label(values: Mapping[str, Any]) -> str:
         'lr=0.001 seed=1'
     """
     return " ".join(f"{k.rsplit('.', 1)[-1]}={v:g}" for k, v in values.items())
-
-
-def _hyperparam_names(
-    tx: optim.GradientTransformation, params: Mapping[str, torch.Tensor], bare: str
-) -> list[str]:
-    """The names under which ``bare`` occurs in ``tx``'s state (qualified ones too, as with masking)."""
-    names = optim.hyperparams(tx.init(dict(params)))
-    return [n for n in names if n.split("/")[-1].split("#")[0] == bare]
 
 
 def sweep_state(
@@ -91,24 +82,25 @@ def sweep_state(
         tensor([0.0010, 0.0100])
     """
     params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    in_state = list(optim.hyperparams(tx.init(params)))  # the names the optimizer state keeps
     hyperparams: dict[str, list[Any]] = {}
-    for path, bare in _HYPERPARAMS.items():
-        if not any(path in m for m in members):
+    for path, bare in SWEEPABLE.items():
+        if bare is None or not any(path in m for m in members):
             continue
         values = [m[path] for m in members]
-        names = _hyperparam_names(tx, params, bare)
-        if bare == "learning_rate" and _hyperparam_names(tx, params, "learning_rate_scale"):
+        names = names_of(bare, in_state)
+        scales = names_of("learning_rate_scale", in_state) if bare == "learning_rate" else []
+        if scales:  # a schedule recomputes the learning rate each step: sweep its scale
             if not base_lr:
                 raise ValueError(
                     "sweep_state: a scheduled learning rate is swept as a scale of base_lr; give base_lr"
                 )
-            names = _hyperparam_names(tx, params, "learning_rate_scale")
-            values = [v / base_lr for v in values]
+            names, values = scales, [v / base_lr for v in values]
         if not names:
             raise ValueError(
                 f"sweep: {path} cannot be swept: the optimizer keeps no {bare!r} in its state (it has "
-                f"{sorted(optim.hyperparams(tx.init(params)))}); for weight decay choose an optimizer that "
-                "applies it (adamw) or set optimizer.weight_decay to a non-zero value"
+                f"{sorted(in_state)}); for weight decay choose an optimizer that applies it (adamw) or set "
+                "optimizer.weight_decay to a non-zero value"
             )
         for name in names:
             hyperparams[name] = values

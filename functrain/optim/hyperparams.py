@@ -29,7 +29,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import optree
@@ -38,7 +38,7 @@ import torch
 from functrain import tree
 from functrain.optim.base import OptState
 
-__all__ = ["hyperparam_field", "hyperparams", "set_hyperparams"]
+__all__ = ["hyperparam_field", "hyperparams", "names_of", "set_hyperparams"]
 
 _SETTABLE = "settable"
 _READ_ONLY = "read_only"
@@ -123,6 +123,17 @@ def _names(entries: list[_Entry]) -> list[str]:
     return unique
 
 
+def names_of(bare: str, names: Iterable[str]) -> list[str]:
+    """The names among ``names`` (from :func:`hyperparams`) under which ``bare`` occurs: itself, and
+    qualified by group labels or a position (``"head/learning_rate"``, ``"learning_rate#1"``).
+
+    Example:
+        >>> names_of("learning_rate", ["head/learning_rate", "body/learning_rate", "weight_decay"])
+        ['head/learning_rate', 'body/learning_rate']
+    """
+    return [n for n in names if n.split("/")[-1].split("#")[0] == bare]
+
+
 def hyperparams(opt_state: OptState) -> dict[str, torch.Tensor]:
     """Every hyperparameter in ``opt_state`` (however nested), by name, as the 0-d tensors themselves.
 
@@ -171,7 +182,7 @@ def set_hyperparams(opt_state: OptState, **values: float | torch.Tensor) -> OptS
     for key in values:
         if key in known:
             continue
-        qualified = [n for n in names if n.split("/")[-1].split("#")[0] == key]
+        qualified = names_of(key, names)
         if qualified:
             raise KeyError(
                 f"set_hyperparams: {key!r} is ambiguous in this optimizer state; it occurs as {qualified}. "
