@@ -361,3 +361,16 @@ def test_a_plain_dataloader_without_resume_does_not_warn():
         warnings.simplefilter("error")  # ResumeWarning included: nothing is resumed here
         result = ft.fit(state, train_step, loader, epochs=1, progress=False)
     assert int(result.state.step) == 5
+
+
+def test_a_final_stop_stays_final_whatever_the_callback_order():
+    from functrain.callbacks.base import Control
+
+    for calls in ([("patience exhausted", True), ("preempted", False)], [("preempted", False), ("done", True)]):
+        control = Control()
+        for reason, final in calls:
+            control.stop(reason, final=final)
+        assert control.should_stop and control.stop_is_final
+    control = Control()
+    control.stop("preempted", final=False)
+    assert control.should_stop and not control.stop_is_final

@@ -80,11 +80,12 @@ class Control:
 
         A ``final`` stop (early stopping, a callback deciding the run is done) is recorded in the
         checkpoint: resuming the run returns its final state instead of training on. ``final=False``
-        (preemption) leaves the run resumable.
+        (preemption) leaves the run resumable, unless another callback asked for a final stop in the same
+        step (whatever the callbacks' order).
         """
+        self.stop_is_final = final or (self.should_stop and self.stop_is_final)
         self.should_stop = True
         self.stop_reason = reason or self.stop_reason
-        self.stop_is_final = final
 
     def evaluate(self) -> None:
         """Ask for an evaluation after the current step."""

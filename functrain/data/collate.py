@@ -51,7 +51,7 @@ def collate(samples: Sequence[Any]) -> Any:
     columns: list[list[Any]] = [[leaf] for leaf in first_leaves]
     for i, sample in enumerate(samples[1:], start=1):
         leaves, sample_spec = tree.flatten(sample)
-        if not tree.same_structure(sample_spec, spec):
+        if sample_spec != spec:
             raise CollateError(_structure_message(samples[0], sample, i))
         for column, leaf in zip(columns, leaves):
             column.append(leaf)

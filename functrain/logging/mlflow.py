@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from functrain.logging._optional import import_optional
@@ -50,7 +49,6 @@ class MLflowWriter(RunIdWriter):
         self._client_cls = mlflow.tracking.MlflowClient
         self._metric_cls = mlflow.entities.Metric
         self._param_cls = mlflow.entities.Param
-        self.log_dir = Path(log_dir)
         self.tracking_uri = tracking_uri
         self.experiment = experiment
         self.run_name = run_name

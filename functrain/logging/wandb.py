@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from functrain.logging._optional import import_optional
@@ -50,7 +49,6 @@ class WandbWriter(RunIdWriter):
         **init_kwargs: Any,
     ) -> None:
         self._wandb = import_optional("wandb", "wandb", "WandbWriter")
-        self.log_dir = Path(log_dir)
         self._init_kwargs: dict[str, Any] = {
             "project": project,
             "name": name,
@@ -64,7 +62,7 @@ class WandbWriter(RunIdWriter):
 
     def _open(self, resume_step: int | None) -> None:
         kwargs = {k: v for k, v in self._init_kwargs.items() if v is not None}
-        kwargs.setdefault("dir", str(self.log_dir))
+        kwargs.setdefault("dir", str(self.path.parent))
         stored = self.stored_run_id(resume_step)
         if stored is not None:
             kwargs.setdefault("id", stored)

@@ -20,6 +20,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from functrain.logging._atomic import replace_text
+
 __all__ = ["MultiWriter", "Writer", "WriterBase", "check_scalars"]
 
 
@@ -122,8 +124,8 @@ class RunIdWriter(FileWriter):
         return self.path.read_text().strip() or None
 
     def store_run_id(self, run_id: str) -> None:
-        """Keep ``run_id`` for a later resume."""
-        self.path.write_text(run_id)
+        """Keep ``run_id`` for a later resume (atomically: a crash leaves the old id or the new one)."""
+        replace_text(self.path, run_id)
 
 
 class MultiWriter(WriterBase):
