@@ -43,6 +43,12 @@ __all__ = ["FitResult", "LoopState", "RunFinishedWarning", "evaluate", "fit", "p
 _DATA_KEY = 0xDA7A
 
 
+def data_key(state: Any) -> torch.Tensor:
+    """The key that orders a run's training data (shuffling): one function of the run's key, shared by
+    ``fit`` and the Trainer so that both feed a run the same batches."""
+    return random.fold_in(run_key(state), _DATA_KEY)
+
+
 @tree.struct
 class LoopState:
     """What the loop must remember across a resume, saved beside the train state in each checkpoint.
@@ -391,7 +397,7 @@ def fit(
     loader = _as_loader(
         train_data,
         batch_size,
-        random.fold_in(run_key(state), _DATA_KEY),
+        data_key(state),
         "fit",
         shuffle=True,
         shard=True,
@@ -545,6 +551,10 @@ def fit(
         ctx.checkpoint_path = manager.path(host_step)
         return events("checkpoint_saved", s, ctx)
 
+    def compiles() -> int:
+        return sum(getattr(fn, "num_compiles", 0) for fn in (train_step, eval_step))
+
+    ctx.compiles = compiles()  # steps compiled by an earlier fit count as compiled already
     state = events("train_begin", state, ctx)
     if restored_path is not None:
         ctx.checkpoint_path = restored_path
@@ -570,7 +580,7 @@ def fit(
                 host_step += 1
                 position = next_position
                 ctx.step, ctx.batch_index, ctx.metrics = host_step, index, metrics
-                ctx.compiles = sum(getattr(fn, "num_compiles", 0) for fn in (train_step, eval_step))
+                ctx.compiles = compiles()
                 window.add(metrics)
                 epoch_done = bpe is not None and index == bpe
                 ctx.logging_step = host_step % log_every == 0 or epoch_done or host_step >= total

@@ -35,7 +35,7 @@ from functrain import logging as ftlog
 from functrain.config import ConfigError, TrainerConfig
 from functrain.ensemble import sweep as ensemble_sweep
 from functrain.jit import jit
-from functrain.loop import _DATA_KEY, FitResult, _onto, evaluate, fit
+from functrain.loop import FitResult, _onto, data_key, evaluate, fit
 from functrain.model_summary import summary
 from functrain.precision import LossScale
 from functrain.state import TrainState
@@ -558,9 +558,7 @@ class Trainer:
                 donate=cfg.donate and kind == "train",
                 dynamic=None if kind != "train" else False,
                 # torch's portable compile cache in the run directory (opt-in: its files are pickles)
-                cache_dir=Path(cfg.output_dir) / COMPILE_CACHE_DIR
-                if cfg.compile and cfg.compile_cache
-                else None,
+                cache_dir=Path(cfg.output_dir) / COMPILE_CACHE_DIR if cfg.compile_cache else None,
             )
             # the loop finds these on the step (a bound method carries no attributes of its own)
             self._jitted[kind].metrics = getattr(self._eval_step, "metrics", None) if kind == "eval" else None
@@ -573,14 +571,13 @@ class Trainer:
             return dataset
         if isinstance(dataset, torch.utils.data.DataLoader):
             return data.Loader(dataset)
-        from functrain import random
 
         rank, world = distributed.rank(), distributed.world_size()
         return data.Loader(
             dataset,
             batch_size,
             shuffle=cfg.shuffle if train else False,
-            key=random.fold_in(ensemble.run_key(self.state), _DATA_KEY) if train else None,
+            key=data_key(self.state) if train else None,
             drop_last=cfg.drop_last if train else False,
             collate_fn=self.data_collator,
             num_workers=cfg.num_workers,

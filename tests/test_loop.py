@@ -352,6 +352,21 @@ def test_timer_eta_leaves_windows_with_a_compilation_out(monkeypatch):
     assert [s for s, _ in ctx.history.series("time/steps_per_s")] == [10, 20, 30]
 
 
+def test_timer_counts_a_step_compiled_before_this_fit_as_compiled():
+    """A second fit with a step compiled by the first: its first window is steady, so it has an ETA."""
+    _, state, train_step, _ = setup()
+
+    def compiled_earlier(state, batch):
+        return train_step(state, batch)
+
+    compiled_earlier.num_compiles = 1  # as a CompiledStep that compiled in an earlier fit
+    result = ft.fit(
+        state, compiled_earlier, dataset(40), batch_size=8, epochs=1, log_every=2, progress=False,
+        callbacks=[ft.callbacks.Timer()],
+    )  # fmt: skip
+    assert [s for s, _ in result.history.series("time/eta_s")][:1] == [2]
+
+
 def test_a_plain_dataloader_without_resume_does_not_warn():
     import warnings
 
@@ -366,7 +381,10 @@ def test_a_plain_dataloader_without_resume_does_not_warn():
 def test_a_final_stop_stays_final_whatever_the_callback_order():
     from functrain.callbacks.base import Control
 
-    for calls in ([("patience exhausted", True), ("preempted", False)], [("preempted", False), ("done", True)]):
+    for calls in (
+        [("patience exhausted", True), ("preempted", False)],
+        [("preempted", False), ("done", True)],
+    ):
         control = Control()
         for reason, final in calls:
             control.stop(reason, final=final)
