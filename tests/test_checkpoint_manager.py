@@ -218,6 +218,19 @@ def test_unreadable_checkpoint_is_not_latest(tmp_path):
         assert manager.latest() == 1
 
 
+def test_header_of_an_unreadable_checkpoint_raises_its_error_once_without_a_warning(tmp_path):
+    import warnings
+
+    manager = CheckpointManager(tmp_path, fsync=False)
+    with open(manager.path(2), "wb") as f:
+        f.write(b"garbage")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a query that raises does not also warn
+        for _ in range(2):  # the second answer comes from the cache
+            with pytest.raises(CheckpointError, match=r"step_0000000002\.ckpt"):
+                manager.header(2)
+
+
 def test_non_writer_writes_nothing(tmp_path):
     calls = []
     manager = CheckpointManager(tmp_path / "x", is_writer=lambda: calls.append(1) or False)

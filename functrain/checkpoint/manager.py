@@ -96,7 +96,7 @@ class CheckpointManager:
         self.fsync = fsync
         self.chunk_bytes = chunk_bytes
         self._is_writer = is_main_process if is_writer is None else is_writer
-        self._headers: dict[str, tuple[tuple[int, int], CheckpointHeader | None]] = {}
+        self._headers: dict[str, tuple[tuple[int, int], CheckpointHeader | CheckpointError]] = {}
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._closed = False
@@ -129,7 +129,7 @@ class CheckpointManager:
     def latest(self) -> int | None:
         """The newest step whose header reads, or ``None`` when the folder holds no checkpoint."""
         for step in reversed(self.all_steps()):
-            if self._cached_header(step) is not None:
+            if self._readable_header(step) is not None:
                 return step
         return None
 
@@ -137,9 +137,9 @@ class CheckpointManager:
         """The header of the checkpoint at ``step`` (cached; no tensor is read)."""
         header = self._cached_header(step)
         if header is None:
-            if os.path.exists(self.path(step)):
-                return checkpoint_file.read_header(self.path(step))  # raises what is wrong with it
             raise CheckpointError(f"{self.path(step)}: no checkpoint at step {step}")
+        if isinstance(header, CheckpointError):
+            raise CheckpointError(str(header)) from None  # what is wrong with the file
         return header
 
     def metrics(self, step: int) -> dict[str, Any]:
@@ -161,8 +161,9 @@ class CheckpointManager:
         ranked = self._ranked(metric, mode or self.best_mode)
         return ranked[0] if ranked else None
 
-    def _cached_header(self, step: int) -> CheckpointHeader | None:
-        """Read a header once per file version; an unreadable file is warned about and ignored."""
+    def _cached_header(self, step: int) -> CheckpointHeader | CheckpointError | None:
+        """The header at ``step``, the error its file gives, or ``None`` without a file; each file version
+        is read once."""
         path = self.path(step)
         try:
             stat = os.stat(path)
@@ -172,18 +173,26 @@ class CheckpointManager:
         cached = self._headers.get(path)
         if cached is not None and cached[0] == version:
             return cached[1]
+        header: CheckpointHeader | CheckpointError
         try:
-            header: CheckpointHeader | None = checkpoint_file.read_header(path)
+            header = checkpoint_file.read_header(path)
         except CheckpointError as error:
-            warnings.warn(f"ignoring unreadable checkpoint: {error}", stacklevel=3)
-            header = None
+            header = error
         self._headers[path] = (version, header)
+        return header
+
+    def _readable_header(self, step: int) -> CheckpointHeader | None:
+        """The header at ``step``, or ``None``: an unreadable file is warned about and skipped."""
+        header = self._cached_header(step)
+        if isinstance(header, CheckpointError):
+            warnings.warn(f"ignoring unreadable checkpoint: {header}", stacklevel=3)
+            return None
         return header
 
     def _ranked(self, metric: str, mode: str) -> list[int]:
         scored = []
         for step in self.all_steps():
-            header = self._cached_header(step)
+            header = self._readable_header(step)
             value = None if header is None else header.metrics.get(metric)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:  # not NaN
                 scored.append((value if mode == "min" else -value, -step, step))
