@@ -210,8 +210,6 @@ def plot_sweep(
     }
     try:
         return save_panels(panels, path, legend_on_every_panel=False)
-    except ImportError:
-        log.warning(
-            "sweep: matplotlib is not installed, so no plot of the curves (pip install 'functrain[plot]')"
-        )
+    except ImportError as error:
+        log.warning("sweep: matplotlib is not installed, so no plot of the curves (%s)", error)
         return None

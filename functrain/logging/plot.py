@@ -87,7 +87,7 @@ def plot_run(
     panels: dict[str, list[tuple[str, list[tuple[int, float]]]]] = {}
     for name, points in series.items():
         panels.setdefault(name.rsplit("/", 1)[-1], []).append((name, points))
-    import_optional("matplotlib", "plot", "plot_run")
+    import_optional("matplotlib", "plot", "plot_run")  # the error names the function the user called
     return save_panels(panels, output_png)
 
 
@@ -99,7 +99,7 @@ def save_panels(
 ) -> Path:
     """Draw ``{panel title: [(line label, [(step, value), ...]), ...]}`` as a grid of panels (three a row) to
     ``output_png``; return its path. Uses matplotlib without pyplot (a notebook's backend stays as it was);
-    raises ``ImportError`` when matplotlib is not installed. ``legend_on_every_panel=False`` puts the
+    raises an ``ImportError`` naming the ``plot`` extra when matplotlib is not installed. ``legend_on_every_panel=False`` puts the
     legend on the first panel only (when every panel has the same lines, as in a sweep).
 
     Example:
@@ -108,7 +108,7 @@ def save_panels(
         >>> png.stat().st_size > 0
         True
     """
-    from matplotlib.figure import Figure
+    Figure = import_optional("matplotlib.figure", "plot", "save_panels").Figure
 
     columns = min(3, len(panels))
     rows = math.ceil(len(panels) / columns)
