@@ -709,7 +709,7 @@ class Trainer:
     def _report_sweep(self, result: FitResult, out: Path) -> None:
         cfg = self.config
         rows = ensemble_sweep.results(result.history, self.sweep_members)
-        evaluated = cfg.eval_strategy != "no" and any(f"{self._best_metric} (final)" in r for r in rows)
+        evaluated = f"{self._best_metric} (final)" in rows[0]  # every row has the same columns
         metric, mode = (
             (self._best_metric, cfg.resolved_best_model_mode) if evaluated else ("train/loss", "min")
         )
