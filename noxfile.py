@@ -21,6 +21,7 @@ FLOOR_TESTS = [
     "tests/test_step.py",
     "tests/test_jit.py",
     "tests/test_cache_hits.py",
+    "tests/test_isa_probe.py",
     "tests/test_optim*.py",
     "tests/test_metrics*.py",
     "tests/test_torch_versions.py",

@@ -31,6 +31,7 @@ import torch._dynamo
 import torch.utils._pytree as torch_pytree
 
 from functrain import random, tree
+from functrain._isa_probe import vec_isa_verified
 from functrain.cache_hits import MISS, CacheHits, with_code
 from functrain.distributed.env import rank as distributed_rank
 from functrain.remat import RematRandomnessError
@@ -446,6 +447,8 @@ class CompiledStep:
         if not _on_cpu(example_inputs):
             return compile_fx(gm, example_inputs, config_patches={**defaults, **config} or None)
         defaults.update(_CPU_DEFAULTS)
+        if vec_isa_verified():  # skips inductor's per-process ISA load check (functrain._isa_probe)
+            defaults["cpp.vec_isa_ok"] = True
         # The caller chose how random ops compile (fallback_random), or the graph draws no dropout mask:
         # inductor's own path.
         if "fallback_random" in config or not _draws_dropout_masks(gm):

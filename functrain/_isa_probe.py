@@ -1,0 +1,97 @@
+"""Inductor's CPU vector-ISA probe, remembered across processes.
+
+Before its first CPU compile in a process, inductor checks each vector ISA the CPU claims (AVX2,
+AVX-512, ...): it builds a tiny library with that ISA's flags (cached on disk) and starts a child Python
+to load it (not cached: every new process pays it, ~1.2 s here, a third of a warm start). Inductor
+offers ``cpp.vec_isa_ok=True`` to skip the check. :func:`vec_isa_verified` returns True only when torch's
+own check passed for *every* ISA the CPU claims, in this process or in an earlier one with the same
+torch, Python, compiler and CPU (a record in inductor's cache directory): then the patch picks the very
+ISA the check would have picked. Any difference, a failed ISA, or a platform other than x86-64 Linux
+leaves the check to inductor.
+
+The patch is part of inductor's cache key, so :func:`functrain.jit` passes it on every CPU compile once
+verified, cold or warm alike, and the cached graphs of one process match the next one's.
+
+Example:
+    >>> isinstance(vec_isa_verified(), bool)
+    True
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from functrain.logging._atomic import replace_text
+
+_RECORD = "functrain-vec-isa.json"
+_verified: bool | None = None
+
+
+def _environment() -> dict[str, Any] | None:
+    """What torch's check depends on: the ISAs the CPU claims, each with inductor's own build
+    fingerprint (compiler version, ISA flags, torch version), torch's build and this Python.
+    None where inductor's check is not the x86 one this module knows."""
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return None
+    from torch._inductor import cpu_vec_isa
+
+    claimed = cpu_vec_isa.x86_isa_checker()
+    candidates = [
+        isa for isa in cpu_vec_isa.supported_vec_isa_list if all(flag in claimed for flag in str(isa).split())
+    ]
+    if not candidates:
+        return None
+    return {
+        "isas": [str(isa) for isa in candidates],
+        "fingerprints": [
+            cpu_vec_isa._get_isa_dry_compile_fingerprint(isa.build_arch_flags()) for isa in candidates
+        ],
+        "torch": torch.version.git_version,
+        "python": sys.executable,
+    }
+
+
+def _record_path() -> str:
+    from torch._inductor.runtime.runtime_utils import cache_dir
+
+    return os.path.join(cache_dir(), _RECORD)
+
+
+def _check() -> bool:
+    environment = _environment()
+    if environment is None:
+        return False
+    path = _record_path()
+    try:
+        with open(path, encoding="utf-8") as f:
+            if json.load(f) == environment:
+                return True
+    except (OSError, ValueError):
+        pass
+    from torch._inductor import cpu_vec_isa
+
+    # torch's own check (builds and loads each claimed ISA); all must pass for the patch to be exact.
+    if [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()] != environment["isas"]:
+        return False
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    replace_text(Path(path), json.dumps(environment, indent=1))
+    return True
+
+
+def vec_isa_verified() -> bool:
+    """True when every vector ISA this CPU claims passed torch's build-and-load check (here or in a
+    recorded earlier process of the same environment); once per process."""
+    global _verified
+    if _verified is None:
+        try:
+            _verified = _check()
+        except Exception:  # a private torch API moved: leave the check to inductor
+            _verified = False
+    return _verified

@@ -1,0 +1,115 @@
+"""functrain._isa_probe: inductor's vector-ISA check runs once per environment, not once per process."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import platform
+
+import pytest
+import torch
+
+from functrain import _isa_probe
+
+jit_module = importlib.import_module("functrain.jit")  # the module, not the function functrain exports
+
+pytestmark = pytest.mark.skipif(
+    platform.machine() != "x86_64", reason="inductor's x86 ISA check (other CPUs keep inductor's own)"
+)
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """An empty inductor cache directory, no verdict yet in this process, and a counted torch check
+    that reports every claimed ISA as loadable (``checks`` counts its calls)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_isa_probe, "_verified", None)
+    from torch._inductor import cpu_vec_isa
+
+    checks = []
+    claimed = _isa_probe._environment()
+    assert claimed is not None, "this x86-64 CPU claims no vector ISA inductor knows"
+    passing = [isa for isa in cpu_vec_isa.supported_vec_isa_list if str(isa) in claimed["isas"]]
+
+    def torch_check():
+        checks.append(1)
+        return list(fresh.passing)
+
+    fresh.passing = passing
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", torch_check)
+    fresh.checks = checks
+    fresh.record = tmp_path / _isa_probe._RECORD
+    return fresh
+
+
+def _new_process(monkeypatch):
+    monkeypatch.setattr(_isa_probe, "_verified", None)
+
+
+def test_the_check_runs_once_and_a_later_process_reads_the_record(fresh, monkeypatch):
+    assert _isa_probe.vec_isa_verified() is True
+    assert len(fresh.checks) == 1
+    assert json.loads(fresh.record.read_text())["isas"] == [str(isa) for isa in fresh.passing]
+    assert _isa_probe.vec_isa_verified() is True and len(fresh.checks) == 1  # once per process
+    _new_process(monkeypatch)
+    assert _isa_probe.vec_isa_verified() is True
+    assert len(fresh.checks) == 1  # the record stood in for torch's check
+
+
+def test_a_record_from_another_environment_is_checked_again(fresh, monkeypatch):
+    assert _isa_probe.vec_isa_verified() is True
+    record = json.loads(fresh.record.read_text())
+    fresh.record.write_text(json.dumps({**record, "torch": "another build"}))
+    _new_process(monkeypatch)
+    assert _isa_probe.vec_isa_verified() is True
+    assert len(fresh.checks) == 2
+    assert json.loads(fresh.record.read_text())["torch"] == torch.version.git_version
+
+
+@pytest.mark.parametrize("content", ["{not json", "[]"])
+def test_a_damaged_record_is_checked_again(fresh, monkeypatch, content):
+    fresh.record.write_text(content)
+    assert _isa_probe.vec_isa_verified() is True
+    assert len(fresh.checks) == 1
+    assert json.loads(fresh.record.read_text())["isas"]
+
+
+def test_an_isa_that_fails_torchs_check_leaves_the_check_to_inductor(fresh):
+    fresh.passing = fresh.passing[1:]  # the best claimed ISA failed to build or load
+    assert _isa_probe.vec_isa_verified() is False
+    assert not fresh.record.exists()
+
+
+def test_other_platforms_leave_the_check_to_inductor(fresh, monkeypatch):
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    assert _isa_probe.vec_isa_verified() is False
+    assert fresh.checks == [] and not fresh.record.exists()
+
+
+def test_a_moved_private_api_leaves_the_check_to_inductor(fresh, monkeypatch):
+    from torch._inductor import cpu_vec_isa
+
+    monkeypatch.delattr(cpu_vec_isa, "x86_isa_checker")
+    assert _isa_probe.vec_isa_verified() is False
+
+
+def _cpu_patches(monkeypatch, options=None):
+    seen = {}
+
+    def fake_compile_fx(gm, example_inputs, config_patches=None, **kwargs):
+        seen.update(config_patches or {})
+        return gm
+
+    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", fake_compile_fx)
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    step = jit_module.CompiledStep(lambda s, x: (s, x), options=options)
+    step._backend(gm, [torch.ones(2)], config=dict(options or {}))
+    return seen
+
+
+def test_jit_skips_inductors_check_on_cpu_only_once_verified_and_options_win(monkeypatch):
+    monkeypatch.setattr(jit_module, "vec_isa_verified", lambda: True)
+    assert _cpu_patches(monkeypatch)["cpp.vec_isa_ok"] is True
+    assert _cpu_patches(monkeypatch, {"cpp.vec_isa_ok": False})["cpp.vec_isa_ok"] is False
+    monkeypatch.setattr(jit_module, "vec_isa_verified", lambda: False)
+    assert "cpp.vec_isa_ok" not in _cpu_patches(monkeypatch)
