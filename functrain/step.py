@@ -170,34 +170,96 @@ def _tied_aliases(model: nn.Module | ApplyFn) -> dict[str, str]:
     return dict(model_variables(model, copy=False)[2]) if isinstance(model, nn.Module) else {}
 
 
+# Where each tensor of a model lives: its module, its name there, and whether it is a parameter.
+Slots = dict[str, tuple[nn.Module, str, bool]]
+
+
+def _slots(model: nn.Module | ApplyFn) -> Slots | None:
+    """Each parameter's and buffer's slot (every name, tied ones included), found once when a step is
+    built; None for models that :func:`_make_call` leaves to ``torch.func.functional_call`` (a function,
+    or a module with parametrizations, whose names are not plain slots)."""
+    if not isinstance(model, nn.Module):
+        return None
+    from torch.nn.utils import parametrize
+
+    slots: Slots = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        if parametrize.is_parametrized(module):
+            return None
+        for kind, members in ((True, module._parameters), (False, module._buffers)):
+            for attr in members:
+                slots[f"{prefix}.{attr}" if prefix else attr] = (module, attr, kind)
+    return slots
+
+
 def _make_call(
-    model: nn.Module | ApplyFn, params: dict, buffers: dict, aliases: dict[str, str]
+    model: nn.Module | ApplyFn, params: dict, buffers: dict, aliases: dict[str, str], slots: Slots | None
 ) -> Callable[..., Any]:
     """``call(*inputs)``: the model run on ``params`` and ``buffers`` (``aliases``: from
-    :func:`_tied_aliases`, the model's tied names, each given its first name's tensor)."""
-    if isinstance(model, nn.Module):
-        tensors = {**params, **buffers}
-        tensors.update({alias: tensors[name] for alias, name in aliases.items() if name in tensors})
+    :func:`_tied_aliases`, the model's tied names, each given its first name's tensor; ``slots``: from
+    :func:`_slots`).
 
-        def call(*args: Any, **kwargs: Any) -> Any:
-            return functional_call(model, tensors, args, kwargs, tie_weights=False, strict=False)
+    With ``slots`` the tensors are put into the modules' ``_parameters``/``_buffers`` and taken out
+    again, as ``torch.func.functional_call`` does, without its per-name module lookups and checks: a
+    third of dynamo's trace time of the reparametrization (benchmarks/README.md). A name that is not a
+    slot falls back to ``functional_call``.
+    """
+    if not isinstance(model, nn.Module):
 
-    else:
-
-        def call(*args: Any, **kwargs: Any) -> Any:
+        def call_fn(*args: Any, **kwargs: Any) -> Any:
             return model(params, buffers, *args, **kwargs)
+
+        return call_fn
+    tensors = {**params, **buffers}
+    tensors.update({alias: tensors[name] for alias, name in aliases.items() if name in tensors})
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if slots is None:
+            return functional_call(model, tensors, args, kwargs, tie_weights=False, strict=False)
+        swapped = []
+        try:
+            for name, tensor in tensors.items():
+                slot = slots.get(name)
+                if slot is None:
+                    break
+                members = slot[0]._parameters if slot[2] else slot[0]._buffers
+                swapped.append((members, slot[1], members[slot[1]]))
+                members[slot[1]] = tensor
+            else:
+                return model(*args, **kwargs)
+        finally:
+            for members, attr, original in reversed(swapped):
+                members[attr] = original
+        return functional_call(model, tensors, args, kwargs, tie_weights=False, strict=False)
 
     return call
 
 
-def _set_mode(model: nn.Module | ApplyFn, training: bool, freeze_batchnorm: bool = False) -> None:
+def _mode_setter(model: nn.Module | ApplyFn) -> Callable[[bool, bool], None]:
+    """``set_mode(training, freeze_batchnorm=False)`` for the model, built once with the step.
+
+    ``model.train(mode)`` walks the module tree through ``children()`` and ``nn.Module.__setattr__``,
+    which dynamo traces module by module (~0.5 s of a 12-layer GPT step's trace). Where no module
+    overrides ``train``, the setter writes each module's ``training`` flag from a list made here; a
+    module with its own ``train`` gets ``model.train(mode)`` called as before.
+    """
     if not isinstance(model, nn.Module):
-        return
-    model.train(training)
-    if training and freeze_batchnorm:
-        for m in model.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+        return lambda training, freeze_batchnorm=False: None
+    modules = tuple(model.modules())
+    batchnorms = tuple(m for m in modules if isinstance(m, nn.modules.batchnorm._BatchNorm))
+    own_train = any(type(m).train is not nn.Module.train for m in modules)
+
+    def set_mode(training: bool, freeze_batchnorm: bool = False) -> None:
+        if own_train:
+            model.train(training)
+        else:
+            for m in modules:
+                object.__setattr__(m, "training", training)
+        if training and freeze_batchnorm:
+            for m in batchnorms:
                 m.eval()
+
+    return set_mode
 
 
 def _autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
@@ -266,14 +328,14 @@ def make_train_step(
         raise ValueError(f"accumulate must be a positive int, got {accumulate!r}")
     cast = autocast_dtype(precision)
     expected = _expected_names(model if isinstance(model, nn.Module) else None)
-    aliases = _tied_aliases(model)
+    aliases, slots, set_mode = _tied_aliases(model), _slots(model), _mode_setter(model)
 
     def loss_of(params: dict, buffers: dict, batch: Batch, scale: torch.Tensor | None) -> Any:
         # Buffers are inputs of the differentiated function and cloned, so modules that update them in
         # place (BatchNorm) write into the clones, which leave as auxiliary output.
         buffers = {k: v.clone() for k, v in buffers.items()}
         with _autocast(_device_of(params), cast):
-            loss, aux = _split_loss_output(loss_fn(_make_call(model, params, buffers, aliases), batch))
+            loss, aux = _split_loss_output(loss_fn(_make_call(model, params, buffers, aliases, slots), batch))
         loss = loss.float()
         scaled = loss * scale if scale is not None else loss
         return scaled, (loss.detach(), aux, buffers)
@@ -287,7 +349,7 @@ def make_train_step(
                 "precision='fp16' needs a loss scale in the state: "
                 "TrainState.create(model, tx, loss_scale=functrain.precision.LossScale.create())"
             )
-        _set_mode(model, True, freeze_batchnorm)
+        set_mode(True, freeze_batchnorm)
         scale = state.loss_scale.scale if state.loss_scale is not None else None
         micro = split_batch(batch, accumulate) if accumulate > 1 else [batch]
         total = sum(num_examples(b) for b in micro) if accumulate > 1 else 1
@@ -396,14 +458,14 @@ def make_eval_step(
     """
     cast = autocast_dtype(precision)
     expected = _expected_names(model if isinstance(model, nn.Module) else None)
-    aliases = _tied_aliases(model)
+    aliases, slots, set_mode = _tied_aliases(model), _slots(model), _mode_setter(model)
 
     def eval_step(state: Any, batch: Batch) -> dict[str, Any]:
         _check_state_matches(state, expected)
-        _set_mode(model, False)
+        set_mode(False)
         with torch.no_grad(), _autocast(_device_of(state.params), cast):
             loss, aux = _split_loss_output(
-                loss_fn(_make_call(model, state.params, state.buffers, aliases), batch)
+                loss_fn(_make_call(model, state.params, state.buffers, aliases, slots), batch)
             )
         loss = loss.float()
         preds = [aux["preds"]] if "preds" in aux else []
@@ -454,12 +516,12 @@ def make_predict_step(
         raise TypeError(f"predict: cannot find the inputs in a {type(batch).__name__}; pass forward=...")
 
     fwd = forward or default_forward
-    aliases = _tied_aliases(model)
+    aliases, slots, set_mode = _tied_aliases(model), _slots(model), _mode_setter(model)
 
     def predict_step(state: Any, batch: Batch) -> Any:
-        _set_mode(model, False)
+        set_mode(False)
         with torch.no_grad(), _autocast(_device_of(state.params), cast):
-            return fwd(_make_call(model, state.params, state.buffers, aliases), batch)
+            return fwd(_make_call(model, state.params, state.buffers, aliases, slots), batch)
 
     predict_step.kind = "predict"  # type: ignore[attr-defined]
     predict_step.model = model  # type: ignore[attr-defined]

@@ -251,3 +251,97 @@ def test_tied_weights_get_both_uses_gradient_as_in_torch(compiled):
     torch.testing.assert_close(state.params["embed.weight"], reference.embed.weight, rtol=1e-5, atol=1e-6)
     out = ft.make_predict_step(model)(state, x)
     torch.testing.assert_close(out, reference(x), rtol=1e-5, atol=1e-6)
+
+
+class _CountsTrain(nn.Module):
+    """A module with its own ``train()``: the step must call it, not only write ``training`` flags."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.drop = nn.Linear(3, 2), nn.Dropout(0.5)
+        self.modes: list[bool] = []
+
+    def train(self, mode: bool = True) -> _CountsTrain:
+        self.modes.append(mode)
+        return super().train(mode)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.lin(x))
+
+
+def _mode_case():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Dropout(0.5), nn.Linear(4, 2))
+    x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+    return model, (x, y), ft.supervised_loss(F.cross_entropy)
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.compile)])
+def test_steps_set_every_modules_mode_and_freeze_batchnorm(compiled):
+    model, batch, loss = _mode_case()
+    state = ft.TrainState.create(model, ft.optim.sgd(0.1))
+    train = ft.jit(ft.make_train_step(model, loss, freeze_batchnorm=True), compile=compiled)
+    evaluate = ft.jit(ft.make_eval_step(model, loss), compile=compiled)
+    model.eval()
+    new, _ = train(state, batch)
+    assert [m.training for m in model.modules()] == [True, True, False, True, True]
+    # Frozen BatchNorm: its running statistics are not updated by the train step.
+    torch.testing.assert_close(new.buffers["1.running_mean"], state.buffers["1.running_mean"])
+    evaluate(new, batch)
+    assert not any(m.training for m in model.modules())
+    unfrozen = ft.make_train_step(model, loss)
+    assert not torch.equal(
+        unfrozen(state, batch)[0].buffers["1.running_mean"], state.buffers["1.running_mean"]
+    )
+    assert all(m.training for m in model.modules())
+
+
+def test_a_modules_own_train_method_is_called_by_the_steps():
+    model = _CountsTrain()
+    state = ft.TrainState.create(model, ft.optim.sgd(0.1))
+    loss = ft.supervised_loss(F.mse_loss)
+    batch = (torch.randn(4, 3), torch.randn(4, 2))
+    ft.make_train_step(model, loss)(state, batch)
+    ft.make_eval_step(model, loss)(state, batch)
+    assert model.modes == [True, False]
+
+
+def test_the_module_keeps_its_own_tensors_after_a_step_even_one_that_raises():
+    model, batch, loss = _mode_case()
+    before = {name: (t, t.clone()) for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    state = ft.TrainState.create(model, ft.optim.sgd(0.1))
+    ft.make_train_step(model, loss)(state, batch)
+
+    def bad_loss(model_fn, b):
+        model_fn(b[0])
+        raise RuntimeError("loss failed")
+
+    with pytest.raises(RuntimeError, match="loss failed"):
+        ft.make_train_step(model, bad_loss)(state, batch)
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        assert t is before[name][0], name
+        assert torch.equal(t, before[name][1]), name
+
+
+class _Symmetric(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w.triu() + w.triu(1).transpose(0, 1)
+
+
+def test_a_parametrized_module_trains_as_with_torch_func_functional_call():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
+    torch.nn.utils.parametrize.register_parametrization(model[0], "weight", _Symmetric())
+    x, y = torch.randn(6, 3), torch.randn(6, 1)
+    state = ft.TrainState.create(model, ft.optim.sgd(0.1))
+    assert "0.parametrizations.weight.original" in state.params
+    _, metrics = ft.make_train_step(model, ft.supervised_loss(F.mse_loss))(state, (x, y))
+
+    def reference(params):
+        return F.mse_loss(torch.func.functional_call(model, {**params, **state.buffers}, (x,)), y)
+
+    loss, grads = torch.func.grad_and_value(reference)(dict(state.params))[::-1]
+    torch.testing.assert_close(metrics["loss"], loss)
+    torch.testing.assert_close(
+        metrics["grad_norm"], torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads.values()]))
+    )
