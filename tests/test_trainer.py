@@ -375,7 +375,7 @@ def test_cli_under_torchrun_two_processes(tmp_path: Path):
         env=env,
         cwd=tmp_path,
     )
-    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.returncode == 0, f"stdout:\n{out.stdout[-2000:]}\nstderr:\n{out.stderr[-4000:]}"
     summaries = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert len(summaries) == 1, "only rank 0 prints"
     assert summaries[0]["step"] == 2 * 64 // (8 * 2) and "test/accuracy" in summaries[0]
