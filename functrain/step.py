@@ -240,14 +240,19 @@ def _mode_setter(model: nn.Module | ApplyFn) -> Callable[[bool, bool], None]:
 
     ``model.train(mode)`` walks the module tree through ``children()`` and ``nn.Module.__setattr__``,
     which dynamo traces module by module (~0.5 s of a 12-layer GPT step's trace). Where no module
-    overrides ``train``, the setter writes each module's ``training`` flag from a list made here; a
-    module with its own ``train`` gets ``model.train(mode)`` called as before.
+    overrides ``train`` or ``__setattr__``, the setter writes each module's ``training`` flag from a list
+    made here; otherwise it calls ``model.train(mode)`` as before.
     """
     if not isinstance(model, nn.Module):
         return lambda training, freeze_batchnorm=False: None
     modules = tuple(model.modules())
     batchnorms = tuple(m for m in modules if isinstance(m, nn.modules.batchnorm._BatchNorm))
-    own_train = any(type(m).train is not nn.Module.train for m in modules)
+    # Modules with their own ``train`` or ``__setattr__`` (a scripted module keeps its flag in C++) get
+    # ``model.train(mode)``.
+    own_train = any(
+        type(m).train is not nn.Module.train or type(m).__setattr__ is not nn.Module.__setattr__
+        for m in modules
+    )
 
     def set_mode(training: bool, freeze_batchnorm: bool = False) -> None:
         if own_train:

@@ -296,8 +296,26 @@ def test_steps_set_every_modules_mode_and_freeze_batchnorm(compiled):
     assert all(m.training for m in model.modules())
 
 
-def test_a_modules_own_train_method_is_called_by_the_steps():
-    model = _CountsTrain()
+class _CountsSetattr(nn.Module):
+    """A module with its own ``__setattr__`` (as scripted modules have): the step must go through it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.modes: list[bool] = []
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "training" and "modes" in self.__dict__:
+            self.modes.append(value)
+        super().__setattr__(name, value)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("model_type", [_CountsTrain, _CountsSetattr])
+def test_a_modules_own_train_or_setattr_is_called_by_the_steps(model_type):
+    model = model_type()
     state = ft.TrainState.create(model, ft.optim.sgd(0.1))
     loss = ft.supervised_loss(F.mse_loss)
     batch = (torch.randn(4, 3), torch.randn(4, 2))
