@@ -11,6 +11,8 @@ call:
     torch-model     torch.compile(model + loss) (the backward runs through the compiled graph)
     torch-opt       torch.compile(opt.step) for torch.optim.AdamW (what the torch.compile docs show)
     ft-trace        dynamo's trace of the step alone (a backend returning the FX graph): no inductor
+    ft-flat-opt     ft-cold with AdamW on one concatenation of all leaves (optax's ``flatten``): an
+                    experiment on cold compile time, not adopted (benchmarks/README.md, run F)
 
 ``--against DIR`` also runs ft-cold, ft-warm and ft-trace from another functrain checkout, each right
 after this one's (before/after pairs in one run).
@@ -103,6 +105,26 @@ def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
+def _flat_adamw():
+    """AdamW on one flat vector of all leaves, the update split back per leaf (optax's ``flatten``)."""
+    inner = ft.optim.adamw(common.LR, weight_decay=common.WEIGHT_DECAY)
+
+    def cat(leaves):
+        return torch.cat([x.reshape(-1) for x in leaves])
+
+    def init(params):
+        return inner.init({"flat": cat(ft.tree.leaves(params))})
+
+    def update(updates, state, params=None):
+        leaves, spec = ft.tree.flatten(updates)
+        flat_params = None if params is None else {"flat": cat(ft.tree.leaves(params))}
+        flat, state = inner.update({"flat": cat(leaves)}, state, flat_params)
+        parts = flat["flat"].split([x.numel() for x in leaves])
+        return ft.tree.unflatten(spec, [u.view_as(x) for u, x in zip(parts, leaves)]), state
+
+    return ft.optim.GradientTransformation(init, update)
+
+
 # ------------------------------------------------------------------------------------------ children
 
 
@@ -126,7 +148,8 @@ def _step_fn(variant: str, layers: int, cache_dir: str | None, jit_kwargs: dict)
         kwargs = dict(jit_kwargs)
         if "cache_dir" in inspect.signature(ft.jit).parameters:
             kwargs.setdefault("cache_dir", os.path.join(cache_dir, "functrain"))
-        return common.ft_step_fn(model, lm_loss, (x, y), jit_kwargs=kwargs)
+        tx = _flat_adamw() if variant == "ft-flat-opt" else None
+        return common.ft_step_fn(model, lm_loss, (x, y), jit_kwargs=kwargs, tx=tx)
     opt = torch.optim.AdamW(model.parameters(), lr=common.LR, weight_decay=common.WEIGHT_DECAY)
     if variant == "torch-model":
         forward = torch.compile(lambda x, y: lm_loss(model(x), y))
