@@ -399,6 +399,7 @@ class CompiledStep:
         self._donated: weakref.WeakSet[Any] = weakref.WeakSet()
         self._warned = False
         functools.update_wrapper(self, fn)
+        self._model = getattr(fn, "model", None)  # what functrain.traceable adapts (steps carry it)
         target = _with_own_code(_donating(fn) if donate else _keeping_layouts(fn))
         self._eager = target
         # After the first compile, calls whose inputs pass a cached graph's guards skip dynamo's frame
@@ -496,15 +497,18 @@ class CompiledStep:
         # The lookup runs outside ``traceable`` (its patches matter only while dynamo traces), unless
         # the graph guards one of them (a model that calls torch.utils.checkpoint, an RNN): then a
         # lookup outside missed while dynamo's own lookup inside found the graph without compiling.
-        model = getattr(self.fn, "model", None)
         if self.num_compiles:
-            with traceable(model, compiled=True) if self._lookup_in_traceable else contextlib.nullcontext():
+            with (
+                traceable(self._model, compiled=True)
+                if self._lookup_in_traceable
+                else contextlib.nullcontext()
+            ):
                 out = self._cache_hits.call(state, args, kwargs)
             if out is not MISS:
                 return out
         compiles = self.num_compiles
         # The model's torch.utils.checkpoint, RNNs and log calls, made traceable (functrain.traceable).
-        with traceable(model, compiled=self.compile):
+        with traceable(self._model, compiled=self.compile):
             out = self._call_through_dynamo(state, args, kwargs)
         if compiles and self.num_compiles == compiles and self._cache_hits.missed_on_guards:
             self._lookup_in_traceable = True

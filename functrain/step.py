@@ -176,7 +176,7 @@ Slots = dict[str, tuple[nn.Module, str, bool]]
 
 def _slots(model: nn.Module | ApplyFn) -> Slots | None:
     """Each parameter's and buffer's slot (every name, tied ones included), found once when a step is
-    built; None for models that :func:`_make_call` leaves to ``torch.func.functional_call`` (a function,
+    built; None for models that :func:`_model_call` leaves to ``torch.func.functional_call`` (a function,
     or a module with parametrizations, whose names are not plain slots)."""
     if not isinstance(model, nn.Module):
         return None
@@ -192,47 +192,58 @@ def _slots(model: nn.Module | ApplyFn) -> Slots | None:
     return slots
 
 
-def _make_call(
-    model: nn.Module | ApplyFn, params: dict, buffers: dict, aliases: dict[str, str], slots: Slots | None
-) -> Callable[..., Any]:
-    """``call(*inputs)``: the model run on ``params`` and ``buffers`` (``aliases``: from
-    :func:`_tied_aliases`, the model's tied names, each given its first name's tensor; ``slots``: from
-    :func:`_slots`).
+def _model_call(model: nn.Module | ApplyFn) -> Callable[[dict, dict], Callable[..., Any]]:
+    """``bind(params, buffers)``: ``call(*inputs)``, the model run on those tensors. What that needs of
+    the model (tied names, :func:`_tied_aliases`; tensor slots, :func:`_slots`) is found here, once
+    when a step is built.
 
-    With ``slots`` the tensors are put into the modules' ``_parameters``/``_buffers`` and taken out
-    again, as ``torch.func.functional_call`` does, without its per-name module lookups and checks: a
-    third of dynamo's trace time of the reparametrization (benchmarks/README.md). A name that is not a
-    slot falls back to ``functional_call``.
+    With slots the tensors are put into the modules' ``_parameters``/``_buffers`` and taken out again,
+    as ``torch.func.functional_call`` does, without its per-name module lookups and checks: a third of
+    dynamo's trace time of the reparametrization (benchmarks/README.md). Without slots, or for a name
+    that has none, ``functional_call`` does it.
     """
     if not isinstance(model, nn.Module):
 
-        def call_fn(*args: Any, **kwargs: Any) -> Any:
-            return model(params, buffers, *args, **kwargs)
+        def bind_apply_fn(params: dict, buffers: dict) -> Callable[..., Any]:
+            def call_apply_fn(*args: Any, **kwargs: Any) -> Any:
+                return model(params, buffers, *args, **kwargs)
 
-        return call_fn
-    tensors = {**params, **buffers}
-    tensors.update({alias: tensors[name] for alias, name in aliases.items() if name in tensors})
+            return call_apply_fn
 
-    def call(*args: Any, **kwargs: Any) -> Any:
-        if slots is None:
+        return bind_apply_fn
+    aliases, slots = _tied_aliases(model), _slots(model)
+
+    def bind(params: dict, buffers: dict) -> Callable[..., Any]:
+        tensors = {**params, **buffers}
+        tensors.update({alias: tensors[name] for alias, name in aliases.items() if name in tensors})
+
+        def call_functional(*args: Any, **kwargs: Any) -> Any:
             return functional_call(model, tensors, args, kwargs, tie_weights=False, strict=False)
-        swapped = []
-        try:
-            for name, tensor in tensors.items():
-                slot = slots.get(name)
-                if slot is None:
-                    break
-                members = slot[0]._parameters if slot[2] else slot[0]._buffers
-                swapped.append((members, slot[1], members[slot[1]]))
-                members[slot[1]] = tensor
-            else:
-                return model(*args, **kwargs)
-        finally:
-            for members, attr, original in reversed(swapped):
-                members[attr] = original
-        return functional_call(model, tensors, args, kwargs, tie_weights=False, strict=False)
 
-    return call
+        if slots is None:
+            return call_functional
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            swapped = []
+            try:
+                for name, tensor in tensors.items():
+                    slot = slots.get(name)
+                    if slot is None:  # not a plain slot: functional_call below
+                        break
+                    module, attr, is_param = slot
+                    members = module._parameters if is_param else module._buffers
+                    swapped.append((members, attr, members[attr]))
+                    members[attr] = tensor
+                else:
+                    return model(*args, **kwargs)
+            finally:
+                for members, attr, original in reversed(swapped):
+                    members[attr] = original
+            return call_functional(*args, **kwargs)
+
+        return call
+
+    return bind
 
 
 def _mode_setter(model: nn.Module | ApplyFn) -> Callable[[bool, bool], None]:
@@ -333,14 +344,14 @@ def make_train_step(
         raise ValueError(f"accumulate must be a positive int, got {accumulate!r}")
     cast = autocast_dtype(precision)
     expected = _expected_names(model if isinstance(model, nn.Module) else None)
-    aliases, slots, set_mode = _tied_aliases(model), _slots(model), _mode_setter(model)
+    bind, set_mode = _model_call(model), _mode_setter(model)
 
     def loss_of(params: dict, buffers: dict, batch: Batch, scale: torch.Tensor | None) -> Any:
         # Buffers are inputs of the differentiated function and cloned, so modules that update them in
         # place (BatchNorm) write into the clones, which leave as auxiliary output.
         buffers = {k: v.clone() for k, v in buffers.items()}
         with _autocast(_device_of(params), cast):
-            loss, aux = _split_loss_output(loss_fn(_make_call(model, params, buffers, aliases, slots), batch))
+            loss, aux = _split_loss_output(loss_fn(bind(params, buffers), batch))
         loss = loss.float()
         scaled = loss * scale if scale is not None else loss
         return scaled, (loss.detach(), aux, buffers)
@@ -463,15 +474,13 @@ def make_eval_step(
     """
     cast = autocast_dtype(precision)
     expected = _expected_names(model if isinstance(model, nn.Module) else None)
-    aliases, slots, set_mode = _tied_aliases(model), _slots(model), _mode_setter(model)
+    bind, set_mode = _model_call(model), _mode_setter(model)
 
     def eval_step(state: Any, batch: Batch) -> dict[str, Any]:
         _check_state_matches(state, expected)
         set_mode(False)
         with torch.no_grad(), _autocast(_device_of(state.params), cast):
-            loss, aux = _split_loss_output(
-                loss_fn(_make_call(model, state.params, state.buffers, aliases, slots), batch)
-            )
+            loss, aux = _split_loss_output(loss_fn(bind(state.params, state.buffers), batch))
         loss = loss.float()
         preds = [aux["preds"]] if "preds" in aux else []
         targets = [aux["target"]] if "target" in aux else []
@@ -521,12 +530,12 @@ def make_predict_step(
         raise TypeError(f"predict: cannot find the inputs in a {type(batch).__name__}; pass forward=...")
 
     fwd = forward or default_forward
-    aliases, slots, set_mode = _tied_aliases(model), _slots(model), _mode_setter(model)
+    bind, set_mode = _model_call(model), _mode_setter(model)
 
     def predict_step(state: Any, batch: Batch) -> Any:
         set_mode(False)
         with torch.no_grad(), _autocast(_device_of(state.params), cast):
-            return fwd(_make_call(model, state.params, state.buffers, aliases, slots), batch)
+            return fwd(bind(state.params, state.buffers), batch)
 
     predict_step.kind = "predict"  # type: ignore[attr-defined]
     predict_step.model = model  # type: ignore[attr-defined]

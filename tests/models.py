@@ -1,4 +1,5 @@
-"""Small models shared by the tests (an MLP, a CNN with BatchNorm and dropout, a tiny transformer)."""
+"""Small models shared by the tests (an MLP, a CNN with BatchNorm and dropout, a tied-weights LM, a tiny
+transformer)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,21 @@ class SmallCNN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.dropout(self.features(x).flatten(1)))
+
+
+class TiedLM(nn.Module):
+    """An embedding and an output layer sharing one weight (registered as embed.weight and
+    out.weight), and a non-persistent buffer."""
+
+    def __init__(self, vocab: int = 5, d_model: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        self.out = nn.Linear(d_model, vocab, bias=False)
+        self.out.weight = self.embed.weight
+        self.register_buffer("cache", torch.zeros(2), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.embed(tokens)))
 
 
 class TinyTransformer(nn.Module):

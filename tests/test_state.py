@@ -4,23 +4,11 @@ from __future__ import annotations
 
 import torch
 import torch.utils._pytree as torch_pytree
-from models import SmallCNN, mlp
+from models import SmallCNN, TiedLM, mlp
 from torch import nn
 
 import functrain as ft
 from functrain import tree
-
-
-class Tied(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(5, 4)
-        self.out = nn.Linear(4, 5, bias=False)
-        self.out.weight = self.embed.weight
-        self.register_buffer("cache", torch.zeros(2), persistent=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.out(self.embed(tokens))
 
 
 def test_create_copies_weights_and_starts_at_step_zero():
@@ -59,13 +47,13 @@ def test_create_without_copy_shares_memory_and_a_donating_step_trains_the_module
 
 
 def test_tied_weights_stay_tied_and_export_loads():
-    model = Tied()
+    model = TiedLM()
     state = ft.TrainState.create(model, ft.optim.sgd(0.1))
     assert list(state.params) == ["embed.weight"]
     assert ("out.weight", "embed.weight") in state.tied
     sd = state.state_dict()
     assert "cache" not in sd and "out.weight" in sd
-    fresh = Tied()
+    fresh = TiedLM()
     fresh.load_state_dict(sd, strict=True)
     assert fresh.out.weight is fresh.embed.weight
     # a step through the tied model updates the one shared tensor

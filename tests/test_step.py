@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from models import SmallCNN, classification_batch, mlp
+from models import SmallCNN, TiedLM, classification_batch, mlp
 from torch import nn
 
 import functrain as ft
@@ -218,23 +218,10 @@ def test_predict_step():
     torch.testing.assert_close(out, model(x))
 
 
-class _TiedLM(nn.Module):
-    """An embedding and an output layer sharing one weight (registered as embed.weight and head.weight)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(7, 4)
-        self.head = nn.Linear(4, 7, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.embed(tokens)))
-
-
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.compile)])
 def test_tied_weights_get_both_uses_gradient_as_in_torch(compiled):
     torch.manual_seed(0)
-    model = _TiedLM()
+    model = TiedLM(vocab=7)
     reference = copy.deepcopy(model)
     opt = torch.optim.SGD(reference.parameters(), lr=0.5)
     loss = ft.supervised_loss(lambda logits, y: F.cross_entropy(logits.reshape(-1, 7), y.reshape(-1)))
