@@ -20,7 +20,6 @@ Example:
 from __future__ import annotations
 
 import json
-import os
 import platform
 import sys
 from pathlib import Path
@@ -58,10 +57,10 @@ def _environment() -> dict[str, Any] | None:
     }
 
 
-def _record_path() -> str:
+def _record_path() -> Path:
     from torch._inductor.runtime.runtime_utils import cache_dir
 
-    return os.path.join(cache_dir(), _RECORD)
+    return Path(cache_dir()) / _RECORD
 
 
 def _check() -> bool:
@@ -70,9 +69,8 @@ def _check() -> bool:
         return False
     path = _record_path()
     try:
-        with open(path, encoding="utf-8") as f:
-            if json.load(f) == environment:
-                return True
+        if json.loads(path.read_text(encoding="utf-8")) == environment:
+            return True
     except (OSError, ValueError):
         pass
     from torch._inductor import cpu_vec_isa
@@ -80,8 +78,8 @@ def _check() -> bool:
     # torch's own check (builds and loads each claimed ISA); all must pass for the patch to be exact.
     if [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()] != environment["isas"]:
         return False
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    replace_text(Path(path), json.dumps(environment, indent=1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    replace_text(path, json.dumps(environment, indent=1))
     return True
 
 
