@@ -1,13 +1,19 @@
-"""Inductor's CPU vector-ISA probe, remembered across processes.
+"""Inductor's CPU vector-ISA probe, remembered across processes and cache directories.
 
 Before its first CPU compile in a process, inductor checks each vector ISA the CPU claims (AVX2,
-AVX-512, ...): it builds a tiny library with that ISA's flags (cached on disk) and starts a child Python
-to load it (not cached: every new process pays it, ~1.2 s here, a third of a warm start). Inductor
-offers ``cpp.vec_isa_ok=True`` to skip the check. :func:`vec_isa_verified` returns True only when torch's
-own check passed for *every* ISA the CPU claims, in this process or in an earlier one with the same
-torch, Python, compiler and CPU (a record in inductor's cache directory): then the patch picks the very
-ISA the check would have picked. Any difference, a failed ISA, or a platform other than x86-64 Linux
-leaves the check to inductor.
+AVX-512, ...): it builds a tiny library with that ISA's flags (cached in inductor's cache directory) and
+starts a child Python to load it (not cached). A new process pays ~1.2 s for the loads; a new, empty
+inductor cache directory (a fresh container, a cluster node's wiped ``/tmp``, a benchmark's cold start)
+pays ~7 s for the builds as well, before any kernel of the model is compiled.
+
+Inductor offers ``cpp.vec_isa_ok=True`` to skip the check. :func:`vec_isa_verified` returns True only
+when torch's own check passed for *every* ISA the CPU claims, in this process or in an earlier one with
+the same torch, Python, compiler and CPU: then the patch picks the very ISA the check would have picked.
+The verdict is a small JSON record in functrain's per-user cache directory (``$FUNCTRAIN_CACHE_DIR``,
+else ``$XDG_CACHE_HOME/functrain``, else ``~/.cache/functrain``), one file per environment, so it
+outlives inductor's cache directory. Any difference, a failed ISA, or a platform other than x86-64
+Linux leaves the check to inductor; a directory that cannot be written only costs the next process the
+check again.
 
 The patch is part of inductor's cache key, so :func:`functrain.jit` passes it on every CPU compile once
 verified, cold or warm alike, and the cached graphs of one process match the next one's.
@@ -19,7 +25,9 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import platform
 import sys
 from pathlib import Path
@@ -29,7 +37,7 @@ import torch
 
 from functrain.logging._atomic import replace_text
 
-_RECORD = "functrain-vec-isa.json"
+_RECORD_PREFIX = "vec-isa-"
 _verified: bool | None = None
 
 
@@ -57,17 +65,27 @@ def _environment() -> dict[str, Any] | None:
     }
 
 
-def _record_path() -> Path:
-    from torch._inductor.runtime.runtime_utils import cache_dir
+def cache_root() -> Path:
+    """functrain's per-user cache directory: ``$FUNCTRAIN_CACHE_DIR``, else ``$XDG_CACHE_HOME/functrain``,
+    else ``~/.cache/functrain`` (not created here)."""
+    explicit = os.environ.get("FUNCTRAIN_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "functrain"
 
-    return Path(cache_dir()) / _RECORD
+
+def _record_path(environment: dict[str, Any]) -> Path:
+    """One record per environment: a home directory shared by machines of several kinds keeps each
+    kind's verdict instead of overwriting one file."""
+    digest = hashlib.sha256(json.dumps(environment, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root() / f"{_RECORD_PREFIX}{digest}.json"
 
 
 def _check() -> bool:
     environment = _environment()
     if environment is None:
         return False
-    path = _record_path()
+    path = _record_path(environment)
     try:
         if json.loads(path.read_text(encoding="utf-8")) == environment:
             return True
@@ -78,8 +96,11 @@ def _check() -> bool:
     # torch's own check (builds and loads each claimed ISA); all must pass for the patch to be exact.
     if [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()] != environment["isas"]:
         return False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    replace_text(path, json.dumps(environment, indent=1))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        replace_text(path, json.dumps(environment, indent=1))
+    except OSError:  # a read-only home: this process knows the verdict, the next one checks again
+        pass
     return True
 
 

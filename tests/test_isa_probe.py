@@ -1,4 +1,5 @@
-"""functrain._isa_probe: inductor's vector-ISA check runs once per environment, not once per process."""
+"""functrain._isa_probe: inductor's vector-ISA check runs once per environment, not once per process or
+per inductor cache directory."""
 
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
-    """An empty inductor cache directory, no verdict yet in this process, and a counted torch check
-    that reports every claimed ISA as loadable (``checks`` counts its calls)."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    """Empty inductor and functrain cache directories, no verdict yet in this process, and a counted
+    torch check that reports every claimed ISA as loadable (``checks`` counts its calls)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("FUNCTRAIN_CACHE_DIR", str(tmp_path / "functrain"))
     monkeypatch.setattr(_isa_probe, "_verified", None)
     from torch._inductor import cpu_vec_isa
 
@@ -38,7 +40,9 @@ def fresh(monkeypatch, tmp_path):
     fresh.passing = passing
     monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", torch_check)
     fresh.checks = checks
-    fresh.record = tmp_path / _isa_probe._RECORD
+    fresh.environment = claimed
+    fresh.record = _isa_probe._record_path(claimed)
+    assert fresh.record.parent == tmp_path / "functrain"
     return fresh
 
 
@@ -56,6 +60,51 @@ def test_the_check_runs_once_and_a_later_process_reads_the_record(fresh, monkeyp
     assert len(fresh.checks) == 1  # the record stood in for torch's check
 
 
+def test_a_new_inductor_cache_directory_reads_the_same_record(fresh, monkeypatch, tmp_path):
+    # A cold start (empty inductor cache: a fresh container, a wiped /tmp) would rebuild every ISA's
+    # probe library (~7 s here) without the record.
+    assert _isa_probe.vec_isa_verified() is True
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "another-inductor-cache"))
+    _new_process(monkeypatch)
+    assert _isa_probe.vec_isa_verified() is True
+    assert len(fresh.checks) == 1
+
+
+def test_records_of_two_environments_live_side_by_side(fresh, monkeypatch):
+    assert _isa_probe.vec_isa_verified() is True
+    other = {**fresh.environment, "python": "/another/venv/bin/python"}
+    monkeypatch.setattr(_isa_probe, "_environment", lambda: other)
+    _new_process(monkeypatch)
+    assert _isa_probe.vec_isa_verified() is True
+    assert len(fresh.checks) == 2
+    assert sorted(fresh.record.parent.iterdir()) == sorted([fresh.record, _isa_probe._record_path(other)])
+    monkeypatch.setattr(_isa_probe, "_environment", lambda: fresh.environment)
+    _new_process(monkeypatch)
+    assert _isa_probe.vec_isa_verified() is True
+    assert len(fresh.checks) == 2  # the first environment's record is still there
+
+
+def test_a_directory_that_cannot_be_written_keeps_the_verdict_for_this_process(fresh, monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("FUNCTRAIN_CACHE_DIR", str(blocker / "functrain"))  # mkdir fails, even as root
+    assert _isa_probe.vec_isa_verified() is True
+    _new_process(monkeypatch)
+    assert _isa_probe.vec_isa_verified() is True
+    assert len(fresh.checks) == 2  # nothing was recorded: the next process checks again
+
+
+def test_the_cache_directory_follows_functrain_then_xdg_then_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("FUNCTRAIN_CACHE_DIR", str(tmp_path / "ft"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert _isa_probe.cache_root() == tmp_path / "ft"
+    monkeypatch.delenv("FUNCTRAIN_CACHE_DIR")
+    assert _isa_probe.cache_root() == tmp_path / "xdg" / "functrain"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert _isa_probe.cache_root() == tmp_path / "home" / ".cache" / "functrain"
+
+
 def test_a_record_from_another_environment_is_checked_again(fresh, monkeypatch):
     assert _isa_probe.vec_isa_verified() is True
     record = json.loads(fresh.record.read_text())
@@ -68,6 +117,7 @@ def test_a_record_from_another_environment_is_checked_again(fresh, monkeypatch):
 
 @pytest.mark.parametrize("content", ["{not json", "[]"])
 def test_a_damaged_record_is_checked_again(fresh, monkeypatch, content):
+    fresh.record.parent.mkdir(parents=True)
     fresh.record.write_text(content)
     assert _isa_probe.vec_isa_verified() is True
     assert len(fresh.checks) == 1
