@@ -4,7 +4,11 @@ Compile-time variants, each in a fresh child process with its own empty inductor
 (``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR``); compile time is the first call minus a steady
 call:
 
-    ft-cold         functrain.jit(make_train_step(...)) (forward, backward and AdamW in one graph)
+    ft-cold         functrain.jit(make_train_step(...)) (forward, backward and AdamW in one graph) on
+                    a machine where functrain has run before: an empty inductor cache, but functrain's
+                    per-user cache (FUNCTRAIN_CACHE_DIR: the vector-ISA verdict, functrain._isa_probe)
+                    filled by an earlier process
+    ft-first        ft-cold with functrain's per-user cache empty as well: the first compile ever
     ft-warm         the same again in a new process with the cache directory ft-cold filled
     ft-portable     a new process with an *empty* cache directory, warmed by the portable cache file
                     that ft-cold wrote (jit(..., cache_dir=...); what a run resumed elsewhere gets)
@@ -54,7 +58,8 @@ import _common as common
 import functrain as ft
 
 VOCAB, D_MODEL, HEADS, SEQ, BATCH = 1024, 256, 4, 64, 8
-AGAINST = ("ft-cold", "ft-warm", "ft-trace")  # the variants --against runs from the other checkout too
+# The variants --against runs from the other checkout too.
+AGAINST = ("ft-cold", "ft-first", "ft-warm", "ft-trace")
 
 
 # ------------------------------------------------------------------------------------------ model
@@ -220,6 +225,7 @@ def run_child(
     profile: bool = False,
     env_cache: str = "",
     checkout: str = "",
+    functrain_cache: str = "",
 ) -> dict:
     cmd = [
         "--child",
@@ -237,6 +243,7 @@ def run_child(
         TRITON_CACHE_DIR=os.path.join(env_cache or cache_dir, "triton"),
         OMP_NUM_THREADS="1",
         FUNCTRAIN_CHECKOUT=checkout or str(Path(__file__).resolve().parent.parent),
+        FUNCTRAIN_CACHE_DIR=functrain_cache or os.path.join(cache_dir, "functrain-user"),
     )
 
 
@@ -247,20 +254,29 @@ def compile_children(
     of that other checkout (``name (before)``), each with its own caches."""
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="functrain-compile-") as tmp:
+        # functrain's per-user cache of a machine where functrain has run before (ft-first leaves it out).
+        machine = os.path.join(tmp, "functrain-user")
+        _fill_user_cache(machine)
         for v in variants:
             runs = [("", "")] + ([(" (before)", against)] if against and v in AGAINST else [])
             for suffix, checkout in runs:
                 tag = "-before" if suffix else ""  # no spaces: inductor's g++ command lines split on them
                 ft_cache = os.path.join(tmp, "ft" + tag)  # ft-cold fills it, ft-warm reuses it
                 if v in ("ft-cold", "ft-warm"):
-                    r = run_child(v, layers, ft_cache, jit_kwargs, profile, checkout=checkout)
+                    r = run_child(
+                        v, layers, ft_cache, jit_kwargs, profile, checkout=checkout, functrain_cache=machine
+                    )
                 elif v == "ft-portable":
-                    # jit's cache_dir from ft-cold, but an empty inductor cache: another machine.
+                    # jit's cache_dir from ft-cold, but an empty inductor cache: another machine (of the
+                    # same kind, where functrain has run before).
                     env_cache = os.path.join(tmp, "portable" + tag)
-                    r = run_child(v, layers, ft_cache, jit_kwargs, profile, env_cache, checkout)
+                    r = run_child(v, layers, ft_cache, jit_kwargs, profile, env_cache, checkout, machine)
                 else:
                     fresh = os.path.join(tmp, v + tag)
-                    r = run_child(v, layers, fresh, jit_kwargs, profile, checkout=checkout)
+                    user_cache = "" if v == "ft-first" else machine  # "": an empty one of its own
+                    r = run_child(
+                        v, layers, fresh, jit_kwargs, profile, checkout=checkout, functrain_cache=user_cache
+                    )
                 results[v + suffix] = r
                 print(
                     f"  layers {layers} {v}{suffix}: compile {r['compile_s']:.1f} s, step {r['step_ms']:.1f} ms, "
@@ -271,6 +287,17 @@ def compile_children(
                 if profile:
                     _print_profile(r)
     return results
+
+
+def _fill_user_cache(directory: str) -> None:
+    """functrain's per-user cache as an earlier process on this machine leaves it (a checkout without
+    ``functrain._isa_probe.cache_root`` keeps its verdict elsewhere and ignores it)."""
+    os.environ["FUNCTRAIN_CACHE_DIR"] = directory
+    try:
+        from functrain._isa_probe import vec_isa_verified
+    except ImportError:
+        return
+    vec_isa_verified()
 
 
 def _print_profile(r: dict) -> None:
