@@ -15,7 +15,7 @@ Example:
     >>> updates, state = tx.update({"w": torch.ones(3)}, state, params)
     >>> params = optim.apply_updates(params, updates)
 
-Modules: ``base`` (the pair, ``chain``, ``apply_updates``), ``transforms`` (the building blocks),
+Modules: ``base`` (the pair, ``chain``, ``apply_updates``, ``apply_gradients``), ``fused`` (Adam's fused kernel), ``transforms`` (the building blocks),
 ``clipping``, ``schedules``, ``hyperparams``, ``masking`` (``multi_transform``, ``masked``, ``freeze``),
 ``selection`` (masks and labels by parameter name or module index), ``finite`` (``skip_not_finite``),
 ``aliases`` (``sgd``, ``adam``, ``adamw``, ``rmsprop``, ``adagrad``, ``lion``, ``lamb``).
@@ -28,6 +28,7 @@ from functrain.optim.base import (
     OptState,
     ScalarOrSchedule,
     Schedule,
+    apply_gradients,
     apply_updates,
     chain,
     identity,
@@ -108,6 +109,7 @@ __all__ = [
     "adamw",
     "add_decayed_weights",
     "all_finite",
+    "apply_gradients",
     "apply_updates",
     "batchnorm_param_names",
     "chain",

@@ -1,4 +1,4 @@
-"""Gradient transformations: the ``(init, update)`` pair, ``chain``, and ``apply_updates``.
+"""Gradient transformations: the ``(init, update)`` pair, ``chain``, ``apply_updates`` and ``apply_gradients``.
 
 A gradient transformation turns gradients into parameter updates and keeps its own state::
 
@@ -9,6 +9,8 @@ A gradient transformation turns gradients into parameter updates and keeps its o
 Both functions are pure: they return new tensors and never modify their inputs, so an update compiles
 into one ``torch.compile(fullgraph=True)`` graph together with the forward and backward pass.
 Updates are already signed (``scale_by_learning_rate`` multiplies by ``-lr``), so applying is a sum.
+A transformation may also carry ``apply(grads, state, params) -> (params, state)``, the same step done at
+once (``adam``/``adamw`` run torch's fused kernel there); :func:`apply_gradients` uses it when present.
 
 Example:
     >>> import torch
@@ -39,6 +41,7 @@ __all__ = [
     "OptState",
     "ScalarOrSchedule",
     "Schedule",
+    "apply_gradients",
     "apply_updates",
     "chain",
     "identity",
@@ -65,8 +68,15 @@ class UpdateFn(Protocol):
     ) -> tuple[PyTree, OptState]: ...
 
 
+class ApplyFn(Protocol):
+    def __call__(self, grads: PyTree, state: OptState, params: PyTree) -> tuple[PyTree, OptState]: ...
+
+
 class GradientTransformation(NamedTuple):
     """A pair of pure functions: ``init(params) -> state`` and ``update(updates, state, params) -> (updates, state)``.
+
+    ``apply``, when given, is ``update`` followed by :func:`apply_updates` done in one go (same state,
+    same result up to rounding): an optional fast path that :func:`apply_gradients` takes.
 
     Example:
         >>> double = GradientTransformation(
@@ -79,6 +89,7 @@ class GradientTransformation(NamedTuple):
 
     init: InitFn
     update: UpdateFn
+    apply: ApplyFn | None = None
 
 
 @tree.struct
@@ -130,6 +141,9 @@ def set_to_zero() -> GradientTransformation:
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Apply ``transforms`` one after the other; the state is the tuple of their states.
 
+    When the last transformation has an ``apply`` (``adam``, ``adamw``), so has the chain: the others'
+    updates, then that ``apply``.
+
     Example:
         >>> from functrain import optim
         >>> tx = optim.chain(optim.clip(0.5), optim.scale(-1.0))
@@ -146,21 +160,39 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     def init(params: PyTree) -> tuple[OptState, ...]:
         return tuple(tx.init(params) for tx in transforms)
 
-    def update(
-        updates: PyTree, state: tuple[OptState, ...], params: PyTree | None = None
-    ) -> tuple[PyTree, tuple[OptState, ...]]:
+    def check(state: Any) -> None:
         if not isinstance(state, tuple) or len(state) != len(transforms):
             raise ValueError(
                 f"chain: expected a tuple of {len(transforms)} states (from this chain's init), "
                 f"got {type(state).__name__} of length {len(state) if isinstance(state, tuple) else '?'}"
             )
+
+    def run(
+        txs: tuple[GradientTransformation, ...], states: tuple[OptState, ...], updates: PyTree, params: PyTree
+    ) -> tuple[PyTree, tuple[OptState, ...]]:
         new_states = []
-        for tx, s in zip(transforms, state):
+        for tx, s in zip(txs, states):
             updates, s = tx.update(updates, s, params)
             new_states.append(s)
         return updates, tuple(new_states)
 
-    return GradientTransformation(init, update)
+    def update(
+        updates: PyTree, state: tuple[OptState, ...], params: PyTree | None = None
+    ) -> tuple[PyTree, tuple[OptState, ...]]:
+        check(state)
+        return run(transforms, state, updates, params)
+
+    last_apply = transforms[-1].apply if transforms else None
+
+    def apply(
+        grads: PyTree, state: tuple[OptState, ...], params: PyTree
+    ) -> tuple[PyTree, tuple[OptState, ...]]:
+        check(state)
+        grads, head = run(transforms[:-1], state[:-1], grads, params)
+        params, last = last_apply(grads, state[-1], params)  # type: ignore[misc]
+        return params, (*head, last)
+
+    return GradientTransformation(init, update, apply if last_apply is not None else None)
 
 
 def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
@@ -181,3 +213,22 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
         return params
     update_leaves = [u if u.dtype == p.dtype else u.to(p.dtype) for p, u in zip(param_leaves, update_leaves)]
     return tree.unflatten(spec, foreach.add(param_leaves, update_leaves))
+
+
+def apply_gradients(
+    tx: GradientTransformation, grads: PyTree, opt_state: OptState, params: PyTree
+) -> tuple[PyTree, OptState]:
+    """One optimizer step: ``(new_params, new_opt_state)``; ``tx.apply`` when it has one, else
+    ``tx.update`` followed by :func:`apply_updates`.
+
+    Example:
+        >>> from functrain import optim
+        >>> tx = optim.sgd(0.5)
+        >>> params = {"w": torch.ones(2)}
+        >>> optim.apply_gradients(tx, {"w": torch.ones(2)}, tx.init(params), params)[0]
+        {'w': tensor([0.5000, 0.5000])}
+    """
+    if tx.apply is not None:
+        return tx.apply(grads, opt_state, params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return apply_updates(params, updates), opt_state
