@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from functrain import random, tree
-from functrain.optim import GradientTransformation, apply_updates
+from functrain.optim import GradientTransformation, apply_gradients
 
 __all__ = ["TrainState", "model_variables"]
 
@@ -200,10 +200,8 @@ class TrainState:
         """
         if self.tx is None:
             raise ValueError("apply_gradients: this state has no optimizer (tx); create it with one")
-        updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
-        return self.replace(
-            step=self.step + 1, params=apply_updates(self.params, updates), opt_state=opt_state
-        )
+        params, opt_state = apply_gradients(self.tx, grads, self.opt_state, self.params)
+        return self.replace(step=self.step + 1, params=params, opt_state=opt_state)
 
     # ------------------------------------------------------------------------------------ moving
 

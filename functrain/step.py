@@ -36,7 +36,7 @@ from torch import nn
 from torch.func import functional_call, grad_and_value
 
 from functrain import tree
-from functrain.optim import all_finite, apply_updates
+from functrain.optim import all_finite, apply_gradients
 from functrain.precision import autocast_dtype
 from functrain.remat import routed_checkpoint
 from functrain.state import model_variables
@@ -399,8 +399,7 @@ def make_train_step(
             grads = tree.map(lambda x: x / scale, grads)
             finite = all_finite(grads)
             loss_scale = loss_scale.adjust(finite)
-        updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
-        params = apply_updates(state.params, updates)
+        params, opt_state = apply_gradients(state.tx, grads, state.opt_state, state.params)
         if finite is not None:
             # An overflow skips the whole update: params and optimizer state stay as they were.
             params = tree.map(lambda new, old: torch.where(finite, new, old), params, state.params)

@@ -50,8 +50,10 @@ def _forward(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(h, params["4.weight"], params["4.bias"])
 
 
-def _run_parity(make_ours, make_reference) -> float:  # type: ignore[no-untyped-def]
+def _run_parity(make_ours, make_reference, apply: bool = False) -> float:  # type: ignore[no-untyped-def]
     """Run both optimizers for STEPS steps from the same weights; the worst relative difference at the end.
+
+    ``apply``: step with ``optim.apply_gradients`` (the fused path train steps take) instead of ``update``.
 
     Both receive the same gradient each step (the MLP's gradient at *our* parameters): the test compares
     optimizer arithmetic, and a 1-ulp difference cannot be amplified by the loss landscape into a
@@ -72,8 +74,11 @@ def _run_parity(make_ours, make_reference) -> float:  # type: ignore[no-untyped-
     reference_opt = make_reference(reference_model.parameters())
     for _ in range(STEPS):
         grads = grad_fn(params)
-        updates, state = tx.update(grads, state, params)
-        params = optim.apply_updates(params, updates)
+        if apply:
+            params, state = optim.apply_gradients(tx, grads, state, params)
+        else:
+            updates, state = tx.update(grads, state, params)
+            params = optim.apply_updates(params, updates)
         for k, v in reference_model.named_parameters():
             v.grad = grads[k].clone()
         reference_opt.step()

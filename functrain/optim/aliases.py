@@ -19,6 +19,7 @@ import torch
 
 from functrain.optim._leaves import check_nonnegative, check_real
 from functrain.optim.base import GradientTransformation, ScalarOrSchedule, chain
+from functrain.optim.fused import adam_with_fused_apply
 from functrain.optim.transforms import (
     add_decayed_weights,
     scale_by_adagrad,
@@ -70,17 +71,18 @@ def adam(
 ) -> GradientTransformation:
     """``torch.optim.Adam(lr, betas=(b1, b2), eps, weight_decay, amsgrad)``: weight decay is L2, added to the gradient.
 
+    Train steps run the update as torch's fused kernel (:mod:`functrain.optim.fused`).
+
     Example:
         >>> import torch
         >>> tx = adam(0.1)
         >>> tx.update({"w": torch.ones(1)}, tx.init({"w": torch.zeros(1)}))[0]
         {'w': tensor([-0.1000])}
     """
-    return chain(
-        *_coupled_decay(check_nonnegative("adam", "weight_decay", weight_decay)),
-        scale_by_adam(b1, b2, eps, amsgrad=amsgrad),
-        scale_by_learning_rate(learning_rate),
-    )
+    return adam_with_fused_apply(
+        b1, b2, eps, amsgrad, scale_by_learning_rate(learning_rate),
+        coupled=_coupled_decay(check_nonnegative("adam", "weight_decay", weight_decay)),
+    )  # fmt: skip
 
 
 def adamw(
@@ -96,6 +98,7 @@ def adamw(
 
     ``mask`` (bools like the params, or a function ``params -> bools``) limits the decay to leaves where it
     is True, e.g. ``mask=lambda p: optim.mask_by_name(p, ["*.weight"])``; the others are not decayed.
+    Train steps run the update as torch's fused kernel (:mod:`functrain.optim.fused`).
 
     Example:
         >>> import torch
@@ -104,11 +107,11 @@ def adamw(
         >>> tx.update({"w": torch.ones(1)}, tx.init(params), params)[0]
         {'w': tensor([-0.1500])}
     """
-    return chain(
-        scale_by_adam(b1, b2, eps, amsgrad=amsgrad),
-        add_decayed_weights(check_nonnegative("adamw", "weight_decay", weight_decay), mask),
-        scale_by_learning_rate(learning_rate),
-    )
+    return adam_with_fused_apply(
+        b1, b2, eps, amsgrad, scale_by_learning_rate(learning_rate),
+        weight_decay=check_nonnegative("adamw", "weight_decay", weight_decay),
+        mask=mask,
+    )  # fmt: skip
 
 
 def rmsprop(

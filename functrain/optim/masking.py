@@ -103,7 +103,7 @@ class _Labels:
         return [label for label, leaf in zip(label_leaves, ref_leaves) if leaf is not None]
 
 
-def _bool_labels(who: str, mask: LabelTree, kind: str) -> _Labels:
+def bool_labels(who: str, mask: LabelTree, kind: str) -> _Labels:
     def check(names: list[str], values: list[Any]) -> None:
         for name, value in zip(names, values):
             if not isinstance(value, bool):
@@ -229,7 +229,7 @@ def masked(inner: GradientTransformation, mask: LabelTree) -> GradientTransforma
         {'a': tensor([10.]), 'b': tensor([1.])}
     """
     who = "masked"
-    mask_leaves_of = _bool_labels(who, mask, "mask")
+    mask_leaves_of = bool_labels(who, mask, "mask")
 
     def init(params: PyTree) -> MaskedState:
         states = _init_groups({True: inner}, mask_leaves_of(params), params)
@@ -263,7 +263,7 @@ def freeze(inner: GradientTransformation, frozen: LabelTree) -> GradientTransfor
         {'a': None, 'b': tensor([0.])}
     """
     who = "freeze"
-    frozen_leaves_of = _bool_labels(who, frozen, "frozen mask")
+    frozen_leaves_of = bool_labels(who, frozen, "frozen mask")
 
     def init(params: PyTree) -> FreezeState:
         frozen_leaves = frozen_leaves_of(params)

@@ -1,0 +1,220 @@
+"""Adam's update as one opaque call to torch's fused multi-tensor kernel (``torch._fused_adam_``).
+
+Inside functrain's one-graph step inductor fuses an optimizer written with foreach ops into the
+backward's kernels: each leaf's update rides in the kernel that produced its gradient, so kernels that
+would be identical across a model's repeated blocks all differ, and inductor's per-node work (lowering,
+scheduling, re-inplacing) grows with every optimizer op. Registered as a custom op
+(:func:`torch.library.custom_op`), the Adam update is a single extern call in the graph that inductor
+neither lowers nor fuses; it runs the kernel ``torch.optim.Adam(fused=True)`` runs, on CPU and CUDA.
+For a 12-layer GPT step this cut a cold compile from 46 to 30 s at the same step time
+(benchmarks/README.md, "Compile time").
+
+:func:`adam_with_fused_apply` builds ``optim.adam``/``optim.adamw``: the usual ``chain`` (same state,
+same ``update``), plus an ``apply`` that :func:`functrain.optim.apply_gradients` (and so every train
+step) uses. It falls back to ``update`` + ``apply_updates`` where the kernel does not apply: for leaves
+that need gradients, are not dense floating-point tensors on CPU or CUDA, or are tensor subclasses.
+Under ``functrain.ensemble``'s vmap the kernel runs once per member.
+
+Example:
+    >>> import torch
+    >>> from functrain import optim
+    >>> tx = optim.adamw(0.1, weight_decay=0.0)
+    >>> params = {"w": torch.ones(2)}
+    >>> new_params, _ = optim.apply_gradients(tx, {"w": torch.ones(2)}, tx.init(params), params)
+    >>> new_params["w"]
+    tensor([0.9000, 0.9000])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from functrain import tree
+from functrain.optim._leaves import flatten_matching
+from functrain.optim.base import GradientTransformation, OptState, apply_updates, chain
+from functrain.optim.masking import bool_labels
+from functrain.optim.transforms import ScaleByAdamState, add_decayed_weights, scale_by_adam
+from functrain.tree import PyTree
+
+__all__ = ["adam_with_fused_apply"]
+
+_KERNEL_DEVICES = ("cpu", "cuda")
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@torch.library.custom_op("functrain::fused_adam", mutates_args=())
+def _fused_adam(
+    params: list[Tensor],
+    grads: list[Tensor],
+    mu: list[Tensor],
+    nu: list[Tensor],
+    nu_max: list[Tensor],
+    count: Tensor,
+    learning_rate: Tensor,
+    weight_decay: Tensor,
+    decayed: list[bool],
+    b1: float,
+    b2: float,
+    eps: float,
+) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]:
+    """New params and moments after one Adam step. Leaves where ``decayed`` is True first shrink by
+    ``1 - learning_rate * weight_decay`` (AdamW, as torch); ``nu_max`` is empty without amsgrad."""
+    new = [[x.clone() for x in xs] for xs in (mu, nu, nu_max)]
+    new_params = list(params)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault((p.device, p.dtype), []).append(i)
+    for (device, _), index in groups.items():
+        lr = learning_rate.to(device)
+        shrink = [i for i in index if decayed and decayed[i]]
+        if shrink:
+            factor = 1 - lr * weight_decay.to(device)
+            for i, value in zip(shrink, torch._foreach_mul([params[i] for i in shrink], factor)):
+                new_params[i] = value
+        for i in set(index) - set(shrink):
+            new_params[i] = params[i].clone()
+        step = count.to(device=device, dtype=torch.float32)
+        torch._fused_adam_(
+            [new_params[i] for i in index],
+            [grads[i] for i in index],
+            *([xs[i] for i in index] for xs in new[:2]),
+            [new[2][i] for i in index] if nu_max else [],
+            [step] * len(index),  # read, not advanced: the kernel's bias corrections use it as the count
+            lr=lr,
+            beta1=b1,
+            beta2=b2,
+            weight_decay=0.0,
+            eps=eps,
+            amsgrad=bool(nu_max),
+            maximize=False,
+        )
+    return new_params, new[0], new[1], new[2]
+
+
+@_fused_adam.register_fake
+def _(params, grads, mu, nu, nu_max, count, learning_rate, weight_decay, decayed, b1, b2, eps):  # type: ignore[no-untyped-def]
+    return tuple([torch.empty_like(x) for x in xs] for xs in (params, mu, nu, nu_max))
+
+
+@_fused_adam.register_vmap
+def _(info, in_dims, params, grads, mu, nu, nu_max, count, learning_rate, weight_decay, decayed, b1, b2, eps):  # type: ignore[no-untyped-def]
+    """Under vmap (``functrain.ensemble``): the kernel once per member, on that member's slices, so a
+    member's arithmetic is exactly that of the same model trained alone."""
+
+    def member(x: Tensor, dim: int | None, e: int) -> Tensor:
+        return x if dim is None else x.select(dim, e)
+
+    lists = (params, grads, mu, nu, nu_max)
+    per_member = [
+        _fused_adam(
+            *(
+                [member(x, d, e) for x, d in zip(xs, dims or [None] * len(xs))]
+                for xs, dims in zip(lists, in_dims)
+            ),
+            *(member(x, d, e) for x, d in zip((count, learning_rate, weight_decay), in_dims[5:8])),
+            decayed,
+            b1,
+            b2,
+            eps,
+        )
+        for e in range(info.batch_size)
+    ]
+    stacked = tuple([torch.stack(xs) for xs in zip(*(m[k] for m in per_member))] for k in range(4))
+    return stacked, tuple([0] * len(xs) for xs in stacked)
+
+
+def _kernel_applies(leaves: Sequence[Tensor]) -> bool:
+    if not leaves:
+        return False
+    return all(
+        type(x) in (Tensor, torch.nn.Parameter)
+        and x.layout == torch.strided
+        and not x.requires_grad
+        and x.dtype in _KERNEL_DTYPES
+        and x.device.type in _KERNEL_DEVICES
+        for x in leaves
+    )
+
+
+def _learning_rate(lr_tx: GradientTransformation, state: OptState, like: Tensor) -> tuple[Tensor, OptState]:
+    """The rate ``lr_tx`` (a ``scale_by_learning_rate``) applies this step, and its next state: what it
+    makes of an update of -1 (constant, scheduled and scaled rates alike)."""
+    minus_one = torch.full((), -1.0, dtype=torch.float32, device=like.device)
+    scaled, state = lr_tx.update({"rate": minus_one}, state)
+    return scaled["rate"], state
+
+
+def adam_with_fused_apply(
+    b1: float,
+    b2: float,
+    eps: float,
+    amsgrad: bool,
+    learning_rate: GradientTransformation,
+    coupled: Sequence[GradientTransformation] = (),
+    weight_decay: float | None = None,
+    mask: PyTree | None = None,
+) -> GradientTransformation:
+    """``chain(*coupled, scale_by_adam(b1, b2, eps, amsgrad), add_decayed_weights(weight_decay, mask),
+    learning_rate)`` (the decay only when ``weight_decay`` is given) whose ``apply`` runs the step as one
+    fused kernel.
+
+    ``coupled`` transforms (L2 decay) run on the gradients before it, as in the chain. The decoupled
+    decay (AdamW's) shrinks the params by ``lr * weight_decay`` inside the kernel call, before the Adam
+    step, as ``torch.optim.AdamW`` does; the state, hyperparameters and mask are the chain's.
+
+    Example:
+        >>> from functrain.optim import scale_by_learning_rate
+        >>> tx = adam_with_fused_apply(0.9, 0.999, 1e-8, False, scale_by_learning_rate(0.1))
+        >>> params = {"w": torch.zeros(1)}
+        >>> tx.apply({"w": torch.ones(1)}, tx.init(params), params)[0]
+        {'w': tensor([-0.1000])}
+    """
+    decoupled = [] if weight_decay is None else [add_decayed_weights(weight_decay, mask)]
+    unfused = chain(*coupled, scale_by_adam(b1, b2, eps, amsgrad=amsgrad), *decoupled, learning_rate)
+    n_coupled = len(coupled)
+    # Which leaves decay: resolved on the host at init (a name pattern does not trace), as masked() does.
+    mask_leaves_of = None if mask is None else bool_labels("adamw", mask, "mask")
+
+    def init(params: PyTree) -> tuple[OptState, ...]:
+        if mask_leaves_of is not None:
+            mask_leaves_of(params)
+        return unfused.init(params)
+
+    def apply(
+        grads: PyTree, state: tuple[OptState, ...], params: PyTree
+    ) -> tuple[PyTree, tuple[OptState, ...]]:
+        adam_state: ScaleByAdamState = state[n_coupled]
+        moments = (adam_state.mu, adam_state.nu, *((adam_state.nu_max,) if amsgrad else ()))
+        grad_leaves, (param_leaves, *moment_leaves), spec = flatten_matching("adam", grads, params, *moments)
+        if not _kernel_applies([*grad_leaves, *param_leaves, *(x for xs in moment_leaves for x in xs)]):
+            updates, state = unfused.update(grads, state, params)
+            return apply_updates(params, updates), state
+        new_states = list(state)
+        for i, tx in enumerate(coupled):
+            grads, new_states[i] = tx.update(grads, state[i], params)
+        lr, new_states[-1] = _learning_rate(learning_rate, state[-1], param_leaves[0])
+        decayed: list[bool] = []
+        decay = lr  # any 0-d tensor: unread without decayed leaves
+        if decoupled:
+            decay_state = state[n_coupled + 1]
+            if mask_leaves_of is None:
+                decayed, decay = [True] * len(param_leaves), decay_state.weight_decay
+            else:
+                decayed, decay = list(mask_leaves_of(params)), decay_state.inner_state.weight_decay
+        count = adam_state.count + 1
+        new_params, mu, nu, nu_max = _fused_adam(
+            param_leaves, tree.leaves(grads), *moment_leaves[:2], moment_leaves[2] if amsgrad else [],
+            count, lr, decay, decayed, b1, b2, eps,
+        )  # fmt: skip
+        new_states[n_coupled] = ScaleByAdamState(
+            count=count,
+            mu=tree.unflatten(spec, mu),
+            nu=tree.unflatten(spec, nu),
+            nu_max=tree.unflatten(spec, nu_max) if amsgrad else None,
+        )
+        return tree.unflatten(spec, new_params), tuple(new_states)
+
+    return GradientTransformation(init, unfused.update, apply)

@@ -1,0 +1,226 @@
+"""Adam/AdamW's fused apply path (functrain.optim.fused): parity with torch.optim and with ``update``,
+when it is taken and when it falls back, and what a compiled step's graph holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_optim import _one_thread, _run_parity  # noqa: F401  (_one_thread: an autouse fixture)
+
+from functrain import _foreach as foreach
+from functrain import optim, tree
+from functrain.optim import fused
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many times the fused kernel op ran (eagerly)."""
+    calls: list[int] = []
+    real = fused._fused_adam
+
+    def counting(*args):  # type: ignore[no-untyped-def]
+        calls.append(len(args[0]))
+        return real(*args)
+
+    monkeypatch.setattr(fused, "_fused_adam", counting)
+    return calls
+
+
+FUSED_PARITY = {
+    "adam": (lambda: optim.adam(1e-3), lambda p: torch.optim.Adam(p, lr=1e-3, fused=True)),
+    "adam_l2": (
+        lambda: optim.adam(1e-3, b1=0.8, b2=0.99, weight_decay=0.1),
+        lambda p: torch.optim.Adam(p, lr=1e-3, betas=(0.8, 0.99), weight_decay=0.1, fused=True),
+    ),
+    "adamw": (
+        lambda: optim.adamw(1e-3, weight_decay=0.1),
+        lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.1, fused=True),
+    ),
+    "amsgrad": (
+        lambda: optim.adamw(1e-3, weight_decay=0.01, amsgrad=True),
+        lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01, amsgrad=True, fused=True),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(FUSED_PARITY))
+def test_fused_apply_matches_torch_optim_over_200_steps(name: str, kernel_calls: list[int]) -> None:
+    make_ours, make_reference = FUSED_PARITY[name]
+    assert _run_parity(make_ours, make_reference, apply=True) <= 1e-5
+    assert len(kernel_calls) == 200 and kernel_calls[0] == 6  # every step, all six leaves in one call
+
+
+def _params() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"fc.weight": torch.randn(4, 3, generator=g), "fc.bias": torch.randn(4, generator=g)}
+
+
+def _grads(steps: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [{k: torch.randn(v.shape, generator=g) for k, v in _params().items()} for _ in range(steps)]
+
+
+def _both_paths(tx: optim.GradientTransformation, steps: int = 6):  # type: ignore[no-untyped-def]
+    """(params, state) after ``steps`` steps by ``apply_gradients`` and by ``update`` + ``apply_updates``;
+    the hyperparameters change by hand after the third step, as a callback would."""
+    results = []
+    for use_apply in (True, False):
+        params = _params()
+        state = tx.init(params)
+        for i, grads in enumerate(_grads(steps)):
+            if use_apply:
+                params, state = optim.apply_gradients(tx, grads, state, params)
+            else:
+                updates, state = tx.update(grads, state, params)
+                params = optim.apply_updates(params, updates)
+            if i == 2:
+                state = optim.set_hyperparams(state, learning_rate_scale=0.5, weight_decay=0.3)
+        results.append((params, state))
+    return results
+
+
+SAME_AS_UPDATE = {
+    "adamw_masked_schedule_amsgrad": lambda: optim.adamw(
+        optim.warmup_cosine_decay_schedule(0.0, 0.1, 2, 10),
+        weight_decay=0.1,
+        mask=lambda p: optim.mask_by_name(p, "*.weight"),
+        amsgrad=True,
+    ),
+    "clip_then_adamw_schedule": lambda: optim.chain(
+        optim.clip_by_global_norm(0.5), optim.adamw(optim.cosine_decay_schedule(0.1, 10), weight_decay=0.2)
+    ),
+    "adam_l2_schedule": lambda: optim.adam(optim.cosine_decay_schedule(0.1, 10), weight_decay=0.1),
+}
+
+
+@pytest.mark.parametrize("name", list(SAME_AS_UPDATE))
+def test_fused_apply_equals_update_then_apply_updates(name: str, kernel_calls: list[int]) -> None:
+    (fused_params, fused_state), (params, state) = _both_paths(SAME_AS_UPDATE[name]())
+    assert len(kernel_calls) == 6
+    assert tree.structure(fused_state) == tree.structure(state)  # same state: checkpoints do not care
+    moved = max(float((params[k] - _params()[k]).abs().max()) for k in params)
+    assert moved > 0.05
+    for ours, reference in zip(tree.leaves((fused_params, fused_state)), tree.leaves((params, state))):
+        torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
+    logged = {k: float(v) for k, v in optim.hyperparams(fused_state).items()}
+    assert logged == pytest.approx({k: float(v) for k, v in optim.hyperparams(state).items()})
+    assert logged["learning_rate_scale"] == 0.5 and logged["weight_decay"] == pytest.approx(0.3)
+
+
+def test_masked_decay_leaves_unmasked_params_undecayed(kernel_calls: list[int]) -> None:
+    """With a zero gradient Adam does not move a leaf: only the masked decay can."""
+    tx = optim.adamw(0.1, weight_decay=0.5, mask=lambda p: optim.mask_by_name(p, "*.weight"))
+    params = _params()
+    new, _ = optim.apply_gradients(tx, tree.map(torch.zeros_like, params), tx.init(params), params)
+    torch.testing.assert_close(new["fc.weight"], params["fc.weight"] * (1 - 0.1 * 0.5))
+    torch.testing.assert_close(new["fc.bias"], params["fc.bias"], rtol=0, atol=0)
+    assert kernel_calls == [2]
+
+
+def test_falls_back_where_the_kernel_does_not_apply(kernel_calls: list[int]) -> None:
+    tx = optim.adamw(0.1, weight_decay=0.1)
+    params, grads = _params(), _grads(1)[0]
+    reference, _ = optim.apply_gradients(tx, grads, tx.init(params), params)
+    trainable = {k: v.clone().requires_grad_() for k, v in params.items()}  # e.g. differentiating the step
+    differentiable, _ = optim.apply_gradients(tx, grads, tx.init(params), trainable)
+    assert len(kernel_calls) == 1
+    assert differentiable["fc.weight"].requires_grad
+    for k in params:
+        torch.testing.assert_close(differentiable[k].detach(), reference[k], rtol=1e-6, atol=1e-7)
+
+
+def test_vmap_runs_the_kernel_per_member_bitwise_as_alone(kernel_calls: list[int]) -> None:
+    """functrain.ensemble's case: members with their own params and learning rates."""
+    learning_rates = [0.1, 0.01, 0.3]
+    alone = []
+    for i, lr in enumerate(learning_rates):
+        tx = optim.adamw(lr, weight_decay=0.1, amsgrad=True)
+        params = {k: v + i for k, v in _params().items()}
+        state = tx.init(params)
+        for grads in _grads(3):
+            params, state = optim.apply_gradients(
+                tx, {k: g * (i + 1) for k, g in grads.items()}, state, params
+            )
+        alone.append((params, state))
+    members = [tx.init({k: v + i for k, v in _params().items()}) for i in range(3)]
+    tx = optim.adamw(0.1, weight_decay=0.1, amsgrad=True)  # amsgrad: no None in the state for vmap
+    state = tree.map(
+        lambda *xs: torch.stack(xs),
+        *[optim.set_hyperparams(s, learning_rate=lr) for s, lr in zip(members, learning_rates)],
+    )
+    params = {k: torch.stack([v + i for i in range(3)]) for k, v in _params().items()}
+    scale = torch.tensor([1.0, 2.0, 3.0])
+    step = torch.func.vmap(
+        lambda p, s, g, c: optim.apply_gradients(tx, {k: x * c for k, x in g.items()}, s, p),
+        in_dims=(0, 0, None, 0),
+    )
+    with foreach.per_tensor():
+        for grads in _grads(3):
+            params, state = step(params, state, grads, scale)
+    assert len(kernel_calls) == 9 + 3 * (1 + 3)  # alone; then per vmapped step the op and its 3 members
+    for i, (params_i, state_i) in enumerate(alone):
+        for ours, reference in zip(tree.leaves((params, state)), tree.leaves((params_i, state_i))):
+            assert torch.equal(ours[i], reference), f"member {i}"
+
+
+def test_apply_checks_the_gradients_structure() -> None:
+    tx = optim.adamw(0.1)
+    params = _params()
+    with pytest.raises(ValueError, match="do not match the optimizer state"):
+        optim.apply_gradients(tx, {"fc.weight": torch.ones(4, 3)}, tx.init(params), params)
+
+
+def test_chain_has_apply_only_when_its_last_transform_has() -> None:
+    assert optim.chain(optim.clip(1.0), optim.adamw(0.1)).apply is not None
+    assert optim.chain(optim.adamw(0.1), optim.clip(1.0)).apply is None
+    assert optim.sgd(0.1).apply is None
+
+
+@pytest.mark.compile
+def test_compiled_apply_is_one_extern_call_and_matches_eager() -> None:
+    from torch._inductor.compile_fx import compile_fx
+
+    graphs = []
+
+    def inductor(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):  # type: ignore[no-untyped-def]
+        graphs.append(gm)
+        return compile_fx(gm, example_inputs)
+
+    torch._dynamo.reset()
+    tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(optim.cosine_decay_schedule(0.1, 10)))
+
+    def step(params, grads, state):  # type: ignore[no-untyped-def]
+        return optim.apply_gradients(tx, grads, state, params)
+
+    compiled = torch.compile(step, fullgraph=True, backend=inductor)
+    eager, compiled_result = (_params(), tx.init(_params())), (_params(), tx.init(_params()))
+    for grads in _grads(4):
+        eager = step(*eager[:1], grads, eager[1])
+        compiled_result = compiled(*compiled_result[:1], grads, compiled_result[1])
+    assert len(graphs) == 1
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert sum("fused_adam" in t for t in targets) == 1
+    for ours, reference in zip(tree.leaves(compiled_result), tree.leaves(eager)):
+        torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.compile
+def test_compiled_ensemble_runs_the_kernel_and_matches_eager() -> None:
+    """dynamo traces ensemble.step's vmap through the op's vmap rule: one graph, eager's numbers."""
+    from models import classification_batch, mlp
+
+    import functrain as ft
+
+    model = mlp()
+    loss = ft.supervised_loss(torch.nn.functional.cross_entropy)
+    results = []
+    for compile in (False, True):
+        torch._dynamo.reset()
+        state = ft.ensemble.create(model, optim.adamw(1e-2, weight_decay=0.1), n=3)
+        step = ft.jit(ft.ensemble.step(ft.make_train_step(model, loss)), compile=compile)
+        for seed in range(4):
+            state, _ = step(state, classification_batch(16, seed=seed))
+        results.append(state)
+    assert step.num_compiles == 1
+    for ours, reference in zip(tree.leaves(results[1].params), tree.leaves(results[0].params)):
+        torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
