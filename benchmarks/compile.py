@@ -17,6 +17,8 @@ call:
     ft-trace        dynamo's trace of the step alone (a backend returning the FX graph): no inductor
     ft-flat-opt     ft-cold with AdamW on one concatenation of all leaves (optax's ``flatten``): an
                     experiment on cold compile time, not adopted (benchmarks/README.md, run F)
+    ft-unfused      ft-cold with AdamW as foreach ops in the graph (``update`` + ``apply_updates``)
+                    instead of torch's fused kernel as one opaque op (functrain.optim.fused, run G)
 
 ``--against DIR`` also runs ft-cold, ft-warm and ft-trace from another functrain checkout, each right
 after this one's (before/after pairs in one run).
@@ -154,6 +156,8 @@ def _step_fn(variant: str, layers: int, cache_dir: str | None, jit_kwargs: dict)
         if "cache_dir" in inspect.signature(ft.jit).parameters:
             kwargs.setdefault("cache_dir", os.path.join(cache_dir, "functrain"))
         tx = _flat_adamw() if variant == "ft-flat-opt" else None
+        if variant == "ft-unfused":
+            tx = ft.optim.adamw(common.LR, weight_decay=common.WEIGHT_DECAY)._replace(apply=None)
         return common.ft_step_fn(model, lm_loss, (x, y), jit_kwargs=kwargs, tx=tx)
     opt = torch.optim.AdamW(model.parameters(), lr=common.LR, weight_decay=common.WEIGHT_DECAY)
     if variant == "torch-model":
