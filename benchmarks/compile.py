@@ -157,7 +157,7 @@ def _step_fn(variant: str, layers: int, cache_dir: str | None, jit_kwargs: dict)
             kwargs.setdefault("cache_dir", os.path.join(cache_dir, "functrain"))
         tx = _flat_adamw() if variant == "ft-flat-opt" else None
         if variant == "ft-unfused":
-            tx = ft.optim.adamw(common.LR, weight_decay=common.WEIGHT_DECAY)._replace(apply=None)
+            tx = ft.optim.adamw(common.LR, weight_decay=common.WEIGHT_DECAY, fused=False)
         return common.ft_step_fn(model, lm_loss, (x, y), jit_kwargs=kwargs, tx=tx)
     opt = torch.optim.AdamW(model.parameters(), lr=common.LR, weight_decay=common.WEIGHT_DECAY)
     if variant == "torch-model":

@@ -26,24 +26,34 @@ import torch
 
 
 class _Flags:
+    """How the running step's optimizer may work; set by the step's wrappers while it is traced or run
+    (dynamo guards on them like on any global)."""
+
     def __init__(self) -> None:
-        # An instance attribute from the start: dynamo guards on the instance's __dict__, and a first
+        # Instance attributes from the start: dynamo guards on the instance's __dict__, and a first
         # assignment that shadowed a class attribute would change it (one recompile).
-        self.per_tensor = False
+        self.per_tensor = False  # the ops below run per tensor (inside functrain.ensemble's vmap)
+        self.donated = False  # the step's incoming state is donated (jit(..., donate=True))
+        self.in_place = False  # the optimizer may write new params and moments into the old tensors
 
 
 FLAGS = _Flags()
 
 
 @contextlib.contextmanager
-def per_tensor() -> Iterator[None]:
-    """Within this block the ops of this module run per tensor (vmap-able) instead of as foreach kernels."""
-    before = FLAGS.per_tensor
-    FLAGS.per_tensor = True
+def flag(name: str, value: bool) -> Iterator[None]:
+    """``FLAGS.<name> = value`` within this block."""
+    before = getattr(FLAGS, name)
+    setattr(FLAGS, name, value)
     try:
         yield
     finally:
-        FLAGS.per_tensor = before
+        setattr(FLAGS, name, before)
+
+
+def per_tensor() -> contextlib.AbstractContextManager[None]:
+    """Within this block the ops of this module run per tensor (vmap-able) instead of as foreach kernels."""
+    return flag("per_tensor", True)
 
 
 def _norm(x: torch.Tensor, ord: float = 2, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -30,6 +30,7 @@ import torch
 import torch._dynamo
 import torch.utils._pytree as torch_pytree
 
+from functrain import _foreach as foreach
 from functrain import random, tree
 from functrain._isa_probe import vec_isa_verified
 from functrain.cache_hits import MISS, CacheHits, with_code
@@ -608,7 +609,8 @@ def _donating(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def donating_step(state: Any, *args: Any, **kwargs: Any) -> Any:
-        new_state, *rest = fn(state, *args, **kwargs)
+        with foreach.flag("donated", True):  # make_train_step's optimizer may then update in place
+            new_state, *rest = fn(state, *args, **kwargs)
         # torch's pytree, not optree: dynamo cannot trace optree flattening an empty dict (a model
         # without buffers) inside the graph ("SourcelessBuilder ... DictMetaData", torch 2.11-2.13 with
         # optree 0.20).

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value
 
+from functrain import _foreach as foreach
 from functrain import tree
 from functrain.optim import all_finite, apply_gradients
 from functrain.precision import autocast_dtype
@@ -399,7 +400,10 @@ def make_train_step(
             grads = tree.map(lambda x: x / scale, grads)
             finite = all_finite(grads)
             loss_scale = loss_scale.adjust(finite)
-        params, opt_state = apply_gradients(state.tx, grads, state.opt_state, state.params)
+        # A donated state is overwritten anyway: unless an overflow may need the old values below, the
+        # optimizer can write into its tensors (Adam's fused kernel does; others return new tensors).
+        with foreach.flag("in_place", foreach.FLAGS.donated and finite is None):
+            params, opt_state = apply_gradients(state.tx, grads, state.opt_state, state.params)
         if finite is not None:
             # An overflow skips the whole update: params and optimizer state stay as they were.
             params = tree.map(lambda new, old: torch.where(finite, new, old), params, state.params)

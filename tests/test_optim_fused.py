@@ -12,18 +12,28 @@ from functrain import optim, tree
 from functrain.optim import fused
 
 
-@pytest.fixture
-def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """How many times the fused kernel op ran (eagerly)."""
+def _count_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
     calls: list[int] = []
-    real = fused._fused_adam
+    real = getattr(fused, name)
 
     def counting(*args):  # type: ignore[no-untyped-def]
         calls.append(len(args[0]))
         return real(*args)
 
-    monkeypatch.setattr(fused, "_fused_adam", counting)
+    monkeypatch.setattr(fused, name, counting)
     return calls
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many times the fused kernel op (the functional one) ran, and on how many leaves (eagerly)."""
+    return _count_calls(monkeypatch, "_fused_adam")
+
+
+@pytest.fixture
+def in_place_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The same for the in-place op a donating train step uses."""
+    return _count_calls(monkeypatch, "_fused_adam_")
 
 
 FUSED_PARITY = {
@@ -174,6 +184,7 @@ def test_chain_has_apply_only_when_its_last_transform_has() -> None:
     assert optim.chain(optim.clip(1.0), optim.adamw(0.1)).apply is not None
     assert optim.chain(optim.adamw(0.1), optim.clip(1.0)).apply is None
     assert optim.sgd(0.1).apply is None
+    assert optim.adamw(0.1, fused=False).apply is None and optim.adam(0.1, fused=False).apply is None
 
 
 @pytest.mark.compile
@@ -224,3 +235,52 @@ def test_compiled_ensemble_runs_the_kernel_and_matches_eager() -> None:
     assert step.num_compiles == 1
     for ours, reference in zip(tree.leaves(results[1].params), tree.leaves(results[0].params)):
         torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_donating_train_step_updates_in_place_bitwise_as_pure(
+    kernel_calls: list[int], in_place_calls: list[int]
+) -> None:
+    from models import classification_batch, mlp
+
+    import functrain as ft
+
+    model = mlp()
+    step = ft.make_train_step(model, ft.supervised_loss(torch.nn.functional.cross_entropy))
+    pure, donating = ft.jit(step, compile=False), ft.jit(step, compile=False, donate=True)
+    expected = donated = ft.TrainState.create(model, optim.adamw(1e-2, weight_decay=0.1))
+    donated = tree.map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, donated)
+    first = donated.opt_state[0].mu["0.weight"]
+    for seed in range(3):
+        expected, _ = pure(expected, classification_batch(16, seed=seed))
+        donated, _ = donating(donated, classification_batch(16, seed=seed))
+    assert (len(kernel_calls), len(in_place_calls)) == (3, 3)
+    assert donated.opt_state[0].mu["0.weight"] is first  # the moments were written where they were
+    for ours, reference in zip(tree.leaves(donated), tree.leaves(expected)):
+        assert torch.equal(ours, reference)
+
+
+def test_donated_fp16_step_keeps_the_old_state_for_an_overflow(
+    kernel_calls: list[int], in_place_calls: list[int]
+) -> None:
+    """An overflow step must restore the old params and moments: no in-place update under loss scaling."""
+    from models import classification_batch, mlp
+
+    import functrain as ft
+
+    model = mlp()
+    scale = ft.precision.LossScale.create(init_scale=2.0**8)
+    state = ft.TrainState.create(model, optim.adamw(1e-2), loss_scale=scale)
+
+    def overflowing(call, batch):  # type: ignore[no-untyped-def]
+        x, y = batch
+        return torch.nn.functional.cross_entropy(call(x).float(), y) * torch.tensor(float("inf"))
+
+    donating = ft.jit(ft.make_train_step(model, overflowing, precision="fp16"), compile=False, donate=True)
+    before = tree.map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state)
+    after, _ = donating(state, classification_batch())
+    assert (len(kernel_calls), len(in_place_calls)) == (1, 0)
+    assert int(after.loss_scale.skipped) == 1
+    for ours, reference in zip(
+        tree.leaves((after.params, after.opt_state)), tree.leaves((before.params, before.opt_state))
+    ):
+        assert torch.equal(ours, reference)

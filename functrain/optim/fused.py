@@ -6,8 +6,11 @@ would be identical across a model's repeated blocks all differ, and inductor's p
 scheduling, re-inplacing) grows with every optimizer op. Registered as a custom op
 (:func:`torch.library.custom_op`), the Adam update is a single extern call in the graph that inductor
 neither lowers nor fuses; it runs the kernel ``torch.optim.Adam(fused=True)`` runs, on CPU and CUDA.
-For a 12-layer GPT step this cut a cold compile from 46 to 30 s at the same step time
-(benchmarks/README.md, "Compile time").
+For a 12-layer tiny GPT step on this CPU this cut a cold compile from ~50 to ~35 s; the step costs
+~2-3% more (the kernel re-reads the gradients and writes new moments instead of riding in the backward's
+kernels). A donating step (``jit(..., donate=True)``) without loss scaling updates the donated state's
+tensors in place (no copies; ``make_train_step`` decides, as nothing reads the old values after it).
+Numbers: benchmarks/README.md, "Compile time and per-call overhead".
 
 :func:`adam_with_fused_apply` builds ``optim.adam``/``optim.adamw``: the usual ``chain`` (same state,
 same ``update``), plus an ``apply`` that :func:`functrain.optim.apply_gradients` (and so every train
@@ -32,6 +35,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from functrain import _foreach as foreach
 from functrain import tree
 from functrain.optim._leaves import flatten_matching
 from functrain.optim.base import GradientTransformation, OptState, apply_updates, chain
@@ -43,6 +47,60 @@ __all__ = ["adam_with_fused_apply"]
 
 _KERNEL_DEVICES = ("cpu", "cuda")
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _adam_step(
+    params: list[Tensor],
+    grads: list[Tensor],
+    mu: list[Tensor],
+    nu: list[Tensor],
+    nu_max: list[Tensor],
+    count: Tensor,
+    learning_rate: Tensor,
+    weight_decay: Tensor,
+    decayed: list[bool],
+    b1: float,
+    b2: float,
+    eps: float,
+    in_place: bool,
+) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]:
+    """One Adam step with torch's fused kernel, per device and dtype. Leaves where ``decayed`` is True
+    first shrink by ``1 - learning_rate * weight_decay`` (AdamW, as torch); ``nu_max`` is empty without
+    amsgrad. ``in_place`` writes into the given tensors, else into new ones (the inputs stay as they were)."""
+    if not in_place:
+        mu, nu, nu_max = ([x.clone() for x in xs] for xs in (mu, nu, nu_max))
+    new_params = list(params)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault((p.device, p.dtype), []).append(i)
+    for (device, _), index in groups.items():
+        lr = learning_rate.to(device)
+        shrink = [i for i in index if decayed and decayed[i]]
+        if shrink:
+            shrunk = [params[i] for i in shrink]
+            factor = 1 - lr * weight_decay.to(device)
+            if in_place:
+                torch._foreach_mul_(shrunk, factor)
+            else:
+                for i, x in zip(shrink, torch._foreach_mul(shrunk, factor)):
+                    new_params[i] = x
+        if not in_place:
+            for i in set(index) - set(shrink):
+                new_params[i] = params[i].clone()
+        step = count.to(device=device, dtype=torch.float32)
+        torch._fused_adam_(
+            *([xs[i] for i in index] for xs in (new_params, grads, mu, nu)),
+            [nu_max[i] for i in index] if nu_max else [],
+            [step] * len(index),  # read, not advanced: the kernel's bias corrections use it as the count
+            lr=lr,
+            beta1=b1,
+            beta2=b2,
+            weight_decay=0.0,
+            eps=eps,
+            amsgrad=bool(nu_max),
+            maximize=False,
+        )
+    return new_params, mu, nu, nu_max
 
 
 @torch.library.custom_op("functrain::fused_adam", mutates_args=())
@@ -60,38 +118,29 @@ def _fused_adam(
     b2: float,
     eps: float,
 ) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]:
-    """New params and moments after one Adam step. Leaves where ``decayed`` is True first shrink by
-    ``1 - learning_rate * weight_decay`` (AdamW, as torch); ``nu_max`` is empty without amsgrad."""
-    new = [[x.clone() for x in xs] for xs in (mu, nu, nu_max)]
-    new_params = list(params)
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, p in enumerate(params):
-        groups.setdefault((p.device, p.dtype), []).append(i)
-    for (device, _), index in groups.items():
-        lr = learning_rate.to(device)
-        shrink = [i for i in index if decayed and decayed[i]]
-        if shrink:
-            factor = 1 - lr * weight_decay.to(device)
-            for i, value in zip(shrink, torch._foreach_mul([params[i] for i in shrink], factor)):
-                new_params[i] = value
-        for i in set(index) - set(shrink):
-            new_params[i] = params[i].clone()
-        step = count.to(device=device, dtype=torch.float32)
-        torch._fused_adam_(
-            [new_params[i] for i in index],
-            [grads[i] for i in index],
-            *([xs[i] for i in index] for xs in new[:2]),
-            [new[2][i] for i in index] if nu_max else [],
-            [step] * len(index),  # read, not advanced: the kernel's bias corrections use it as the count
-            lr=lr,
-            beta1=b1,
-            beta2=b2,
-            weight_decay=0.0,
-            eps=eps,
-            amsgrad=bool(nu_max),
-            maximize=False,
-        )
-    return new_params, new[0], new[1], new[2]
+    """New params and moments after one Adam step (see :func:`_adam_step`)."""
+    return _adam_step(
+        params, grads, mu, nu, nu_max, count, learning_rate, weight_decay, decayed, b1, b2, eps, False
+    )
+
+
+@torch.library.custom_op("functrain::fused_adam_", mutates_args=("params", "mu", "nu", "nu_max"))
+def _fused_adam_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    mu: list[Tensor],
+    nu: list[Tensor],
+    nu_max: list[Tensor],
+    count: Tensor,
+    learning_rate: Tensor,
+    weight_decay: Tensor,
+    decayed: list[bool],
+    b1: float,
+    b2: float,
+    eps: float,
+) -> None:
+    """:func:`_fused_adam` written into the given params and moments (a donated state's)."""
+    _adam_step(params, grads, mu, nu, nu_max, count, learning_rate, weight_decay, decayed, b1, b2, eps, True)
 
 
 @_fused_adam.register_fake
@@ -205,10 +254,15 @@ def adam_with_fused_apply(
             else:
                 decayed, decay = list(mask_leaves_of(params)), decay_state.inner_state.weight_decay
         count = adam_state.count + 1
-        new_params, mu, nu, nu_max = _fused_adam(
+        args = (
             param_leaves, tree.leaves(grads), *moment_leaves[:2], moment_leaves[2] if amsgrad else [],
             count, lr, decay, decayed, b1, b2, eps,
         )  # fmt: skip
+        if foreach.FLAGS.in_place and not foreach.FLAGS.per_tensor:  # a donated state: no copies
+            _fused_adam_(*args)
+            new_params, mu, nu, nu_max = param_leaves, *moment_leaves[:2], moment_leaves[2] if amsgrad else []
+        else:
+            new_params, mu, nu, nu_max = _fused_adam(*args)
         new_states[n_coupled] = ScaleByAdamState(
             count=count,
             mu=tree.unflatten(spec, mu),
