@@ -26,6 +26,9 @@ after this one's (before/after pairs in one run).
 The acceptance ratio is ``ft-cold / (torch-model + torch-opt)``. The workload is a tiny GPT (d 256,
 4 heads, seq 64, batch 8, vocab 1024, dropout 0.1) with 2 and with 8/12 blocks.
 
+Step time (``--step-time``, in this process): AdamW as torch's fused kernel (the default) against
+AdamW as foreach ops that inductor fuses into the backward (``fused=False``), pure and donating.
+
 Per-call overhead (``--overhead``, in this process): a 16-layer width-8 MLP with Adam (~100 state
 leaves), the jitted step against the very graph inductor compiled for it, called directly with the
 same flat inputs (no dynamo guards, no seeding, no pytree work); interleaved repeats, medians.
@@ -33,6 +36,7 @@ same flat inputs (no dynamo guards, no seeding, no pytree work); interleaved rep
 Usage:
     OMP_NUM_THREADS=1 python benchmarks/compile.py --layers 2 8          # compile children
     OMP_NUM_THREADS=1 python benchmarks/compile.py --overhead            # per-call overhead
+    OMP_NUM_THREADS=1 python benchmarks/compile.py --step-time --layers 2 --repeats 15 --calls 3
     OMP_NUM_THREADS=1 python benchmarks/compile.py --profile --layers 2  # where the compile time goes
     OMP_NUM_THREADS=1 python benchmarks/compile.py --layers 2 8 --variants ft-trace --against ../old
 """
@@ -366,6 +370,24 @@ def overhead(repeats: int, calls: int, depth: int = 16) -> dict[str, tuple[float
     return {k: common.median_spread(v) for k, v in times.items()}
 
 
+def step_times(layers: int, repeats: int, calls: int) -> dict[str, tuple[float, float, float]]:
+    """Step time of the tiny GPT with AdamW as torch's fused kernel (one opaque op, the default) and as
+    foreach ops inside the graph (``fused=False``), pure and donating, in this process, interleaved."""
+    fns = {}
+    for fused in (True, False):
+        for donate in (False, True):
+            torch.manual_seed(0)
+            model = TinyGPT(layers)
+            model.train()
+            tx = ft.optim.adamw(common.LR, weight_decay=common.WEIGHT_DECAY, fused=fused)
+            fn = common.ft_step_fn(model, lm_loss, gpt_batch(), tx=tx, donate=donate)
+            for _ in range(3):
+                fn()
+            fns[f"{'fused' if fused else 'in-graph'} AdamW, {'donating' if donate else 'pure'}"] = fn
+    times = common.interleaved(fns, repeats, calls)
+    return {k: common.median_spread(v) for k, v in times.items()}
+
+
 # ------------------------------------------------------------------------------------------ main
 
 
@@ -378,6 +400,7 @@ def main() -> None:
     p.add_argument("--jit-kwargs", default="{}", help="JSON dict passed to functrain.jit (experiments)")
     p.add_argument("--profile", action="store_true", help="print compile_times() and a cProfile per child")
     p.add_argument("--overhead", action="store_true", help="measure per-call overhead instead")
+    p.add_argument("--step-time", action="store_true", help="fused vs in-graph AdamW step time instead")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--depths", nargs="+", type=int, default=[16, 64], help="MLP depths for --overhead")
     p.add_argument("--calls", type=int, default=200)
@@ -400,6 +423,15 @@ def main() -> None:
             base = res["graph called directly"][0]
             for name, (med, lo, hi) in res.items():
                 print(f"| {depth} | {name} | {med:.3f} | {lo:.3f}–{hi:.3f} | {med - base:+.3f} |", flush=True)
+        print(f"load average at the end {common.load_average()}")
+        return
+    if args.step_time:
+        print("| layers | AdamW, step | ms/step (median) | IQR | / in-graph |\n|---:|---|---:|---:|---:|")
+        for layers in args.layers:
+            res = step_times(layers, args.repeats, args.calls)
+            for name, (med, lo, hi) in res.items():
+                base = res[f"in-graph AdamW, {name.split(', ')[1]}"][0]
+                print(f"| {layers} | {name} | {med:.1f} | {lo:.1f}–{hi:.1f} | {med / base:.3f} |", flush=True)
         print(f"load average at the end {common.load_average()}")
         return
     jit_kwargs = json.loads(args.jit_kwargs)

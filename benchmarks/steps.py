@@ -7,6 +7,10 @@ Variants (each on its own copy of the same initial weights, the same batch, Adam
     compile-fused   torch.compile(model) with fused AdamW (the optimizer runs eagerly)
     ft-jit          functrain.jit(make_train_step(...)): forward, backward and AdamW in one graph
     ft-donate       the same with jit(..., donate=True): results written into the incoming state
+    ft-jit-in-graph, ft-donate-in-graph
+                    the same two with ``adamw(..., fused=False)``: AdamW as foreach ops that inductor
+                    fuses into the backward, instead of torch's fused kernel as one opaque op (not run
+                    by default; ``--variants``)
 
 Timing runs every variant of a workload in this one process, interleaved: each repeat times
 ``--steps`` consecutive steps of every variant in turn (in a rotated order), and the table gives the
@@ -40,7 +44,7 @@ import _common as common
 
 VARIANTS = ("eager-foreach", "eager-fused", "compile-fused", "ft-jit", "ft-donate")
 BASELINES = ("eager-foreach", "eager-fused", "compile-fused")
-COMPILED = ("compile-fused", "ft-jit", "ft-donate")
+COMPILED = ("compile-fused", "ft-jit", "ft-donate", "ft-jit-in-graph", "ft-donate-in-graph")
 
 
 def make_variant(name: str, workload: common.Workload, jit_kwargs: dict | None = None) -> Callable[[], None]:
@@ -64,8 +68,11 @@ def make_variant(name: str, workload: common.Workload, jit_kwargs: dict | None =
 
         return torch_step
 
+    import functrain as ft
+
+    tx = ft.optim.adamw(common.LR, weight_decay=common.WEIGHT_DECAY, fused=not name.endswith("-in-graph"))
     return common.ft_step_fn(
-        model, F.cross_entropy, (x, y), donate=name == "ft-donate", jit_kwargs=jit_kwargs
+        model, F.cross_entropy, (x, y), donate=name.startswith("ft-donate"), jit_kwargs=jit_kwargs, tx=tx
     )
 
 
