@@ -15,10 +15,14 @@ Example:
     >>> updates, state = tx.update({"w": torch.ones(3)}, state, params)
     >>> params = optim.apply_updates(params, updates)
 
-Modules: ``base`` (the pair, ``chain``, ``apply_updates``, ``apply_gradients``), ``fused`` (Adam's fused kernel), ``transforms`` (the building blocks),
-``clipping``, ``schedules``, ``hyperparams``, ``masking`` (``multi_transform``, ``masked``, ``freeze``),
-``selection`` (masks and labels by parameter name or module index), ``finite`` (``skip_not_finite``),
-``aliases`` (``sgd``, ``adam``, ``adamw``, ``rmsprop``, ``adagrad``, ``lion``, ``lamb``).
+Train steps call :func:`apply_gradients`, which takes a transformation's fused ``apply`` when it has one
+(``adam``/``adamw`` run torch's fused kernel as one op: shorter compiles).
+
+Modules: ``base`` (the pair, ``chain``, ``apply_updates``, ``apply_gradients``), ``transforms`` (the
+building blocks), ``fused`` (Adam's fused kernel), ``clipping``, ``schedules``, ``hyperparams``,
+``masking`` (``multi_transform``, ``masked``, ``freeze``), ``selection`` (masks and labels by parameter
+name or module index), ``finite`` (``skip_not_finite``), ``aliases`` (``sgd``, ``adam``, ``adamw``,
+``rmsprop``, ``adagrad``, ``lion``, ``lamb``).
 """
 
 from functrain.optim.aliases import adagrad, adam, adamw, lamb, lion, rmsprop, sgd
