@@ -30,7 +30,9 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -38,7 +40,7 @@ from torch import Tensor
 from functrain import _foreach as foreach
 from functrain import tree
 from functrain.optim._leaves import flatten_matching
-from functrain.optim.base import GradientTransformation, OptState, apply_updates, chain
+from functrain.optim.base import GradientTransformation, OptState, apply_gradients, chain
 from functrain.optim.masking import bool_labels
 from functrain.optim.transforms import ScaleByAdamState, add_decayed_weights, scale_by_adam
 from functrain.tree import PyTree
@@ -75,7 +77,7 @@ def _adam_step(
         groups.setdefault((p.device, p.dtype), []).append(i)
     for (device, _), index in groups.items():
         lr = learning_rate.to(device)
-        shrink = [i for i in index if decayed and decayed[i]]
+        shrink = [i for i in index if decayed[i]] if decayed else []
         if shrink:
             shrunk = [params[i] for i in shrink]
             factor = 1 - lr * weight_decay.to(device)
@@ -103,44 +105,26 @@ def _adam_step(
     return new_params, mu, nu, nu_max
 
 
-@torch.library.custom_op("functrain::fused_adam", mutates_args=())
-def _fused_adam(
-    params: list[Tensor],
-    grads: list[Tensor],
-    mu: list[Tensor],
-    nu: list[Tensor],
-    nu_max: list[Tensor],
-    count: Tensor,
-    learning_rate: Tensor,
-    weight_decay: Tensor,
-    decayed: list[bool],
-    b1: float,
-    b2: float,
-    eps: float,
-) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]:
-    """New params and moments after one Adam step (see :func:`_adam_step`)."""
-    return _adam_step(
-        params, grads, mu, nu, nu_max, count, learning_rate, weight_decay, decayed, b1, b2, eps, False
+def _custom_op(name: str, in_place: bool) -> Any:
+    """:func:`_adam_step` as a torch custom op: new tensors, or written into the given params and moments
+    (a donated state's). custom_op reads the schema from the signature: ``_adam_step``'s, less
+    ``in_place`` (and less the result, in place)."""
+
+    def run(*args: Any) -> Any:
+        out = _adam_step(*args, in_place)
+        return None if in_place else out
+
+    signature = inspect.signature(_adam_step)
+    run.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=list(signature.parameters.values())[:-1],
+        return_annotation=None if in_place else signature.return_annotation,
     )
+    mutates = ("params", "mu", "nu", "nu_max") if in_place else ()
+    return torch.library.custom_op(name, run, mutates_args=mutates)
 
 
-@torch.library.custom_op("functrain::fused_adam_", mutates_args=("params", "mu", "nu", "nu_max"))
-def _fused_adam_(
-    params: list[Tensor],
-    grads: list[Tensor],
-    mu: list[Tensor],
-    nu: list[Tensor],
-    nu_max: list[Tensor],
-    count: Tensor,
-    learning_rate: Tensor,
-    weight_decay: Tensor,
-    decayed: list[bool],
-    b1: float,
-    b2: float,
-    eps: float,
-) -> None:
-    """:func:`_fused_adam` written into the given params and moments (a donated state's)."""
-    _adam_step(params, grads, mu, nu, nu_max, count, learning_rate, weight_decay, decayed, b1, b2, eps, True)
+_fused_adam = _custom_op("functrain::fused_adam", in_place=False)
+_fused_adam_ = _custom_op("functrain::fused_adam_", in_place=True)
 
 
 @_fused_adam.register_fake
@@ -239,8 +223,7 @@ def adam_with_fused_apply(
         moments = (adam_state.mu, adam_state.nu, *((adam_state.nu_max,) if amsgrad else ()))
         grad_leaves, (param_leaves, *moment_leaves), spec = flatten_matching("adam", grads, params, *moments)
         if not _kernel_applies([*grad_leaves, *param_leaves, *(x for xs in moment_leaves for x in xs)]):
-            updates, state = unfused.update(grads, state, params)
-            return apply_updates(params, updates), state
+            return apply_gradients(unfused, grads, state, params)
         new_states = list(state)
         for i, tx in enumerate(coupled):
             grads, new_states[i] = tx.update(grads, state[i], params)
