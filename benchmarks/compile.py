@@ -14,6 +14,9 @@ call:
                     that ft-cold wrote (jit(..., cache_dir=...); what a run resumed elsewhere gets)
     torch-model     torch.compile(model + loss) (the backward runs through the compiled graph)
     torch-opt       torch.compile(opt.step) for torch.optim.AdamW (what the torch.compile docs show)
+    torch-model-warm, torch-opt-warm
+                    the same in a new process with the cache directory torch-model/torch-opt filled
+                    (list them after those): what a torch user's warm start costs
     ft-trace        dynamo's trace of the step alone (a backend returning the FX graph): no inductor
     ft-flat-opt     ft-cold with AdamW on one concatenation of all leaves (optax's ``flatten``): an
                     experiment on cold compile time, not adopted (benchmarks/README.md, run F)
@@ -23,7 +26,8 @@ call:
 ``--against DIR`` also runs ft-cold, ft-warm and ft-trace from another functrain checkout, each right
 after this one's (before/after pairs in one run).
 
-The acceptance ratio is ``ft-cold / (torch-model + torch-opt)``. The workload is a tiny GPT (d 256,
+The acceptance ratio is ``ft-cold / (torch-model + torch-opt)`` (and ``ft-warm / (torch-model-warm +
+torch-opt-warm)`` when those run). The workload is a tiny GPT (d 256,
 4 heads, seq 64, batch 8, vocab 1024, dropout 0.1) with 2 and with 8/12 blocks.
 
 Step time (``--step-time``, in this process): AdamW as torch's fused kernel (the default) against
@@ -164,6 +168,7 @@ def _step_fn(variant: str, layers: int, cache_dir: str | None, jit_kwargs: dict)
             tx = ft.optim.adamw(common.LR, weight_decay=common.WEIGHT_DECAY, fused=False)
         return common.ft_step_fn(model, lm_loss, (x, y), jit_kwargs=kwargs, tx=tx)
     opt = torch.optim.AdamW(model.parameters(), lr=common.LR, weight_decay=common.WEIGHT_DECAY)
+    variant = variant.removesuffix("-warm")  # the same step; compile_children gives it a filled cache
     if variant == "torch-model":
         forward = torch.compile(lambda x, y: lm_loss(model(x), y))
 
@@ -273,6 +278,11 @@ def compile_children(
                 if v in ("ft-cold", "ft-warm"):
                     r = run_child(
                         v, layers, ft_cache, jit_kwargs, profile, checkout=checkout, functrain_cache=machine
+                    )
+                elif v in ("torch-model-warm", "torch-opt-warm"):  # the cache its cold variant filled
+                    warm = os.path.join(tmp, v.removesuffix("-warm") + tag)
+                    r = run_child(
+                        v, layers, warm, jit_kwargs, profile, checkout=checkout, functrain_cache=machine
                     )
                 elif v == "ft-portable":
                     # jit's cache_dir from ft-cold, but an empty inductor cache: another machine (of the
@@ -435,12 +445,14 @@ def main() -> None:
         print(f"load average at the end {common.load_average()}")
         return
     jit_kwargs = json.loads(args.jit_kwargs)
-    table = ["| layers | variant | compile s | step ms | fx/aot cache hits | ft-cold / (model + opt) |",
+    table = ["| layers | variant | compile s | step ms | fx/aot cache hits | ft / (model + opt) |",
              "|---:|---|---:|---:|---|---:|"]  # fmt: skip
     for layers in args.layers:
         res = compile_children(layers, args.variants, jit_kwargs, args.profile, args.against)
-        denom = sum(res[v]["compile_s"] for v in ("torch-model", "torch-opt") if v in res)
+        cold = sum(res[v]["compile_s"] for v in ("torch-model", "torch-opt") if v in res)
+        warm = sum(res[v]["compile_s"] for v in ("torch-model-warm", "torch-opt-warm") if v in res)
         for v, r in res.items():
+            denom = warm if v.startswith("ft-warm") and warm else cold
             ratio = f"{r['compile_s'] / denom:.2f}x" if denom and v.startswith("ft") else ""
             table.append(
                 f"| {layers} | {v} | {r['compile_s']:.1f} | {r['step_ms']:.1f} | "
