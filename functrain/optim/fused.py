@@ -251,13 +251,16 @@ def adam_with_fused_apply(
             else:
                 decayed, decay = list(mask_leaves_of(params)), decay_state.inner_state.weight_decay
         count = adam_state.count + 1
+        if coupled:  # the L2 term changed the grads; else their leaves are the ones flattened above
+            grad_leaves = tree.leaves(grads)
+        mu_leaves, nu_leaves, *rest = moment_leaves
+        nu_max_leaves = rest[0] if amsgrad else []
         args = (
-            param_leaves, tree.leaves(grads), *moment_leaves[:2], moment_leaves[2] if amsgrad else [],
-            count, lr, decay, decayed, b1, b2, eps,
+            param_leaves, grad_leaves, mu_leaves, nu_leaves, nu_max_leaves, count, lr, decay, decayed, b1, b2, eps,
         )  # fmt: skip
         if foreach.FLAGS.in_place and not foreach.FLAGS.per_tensor:  # a donated state: no copies
             _fused_adam_(*args)
-            new_params, mu, nu, nu_max = param_leaves, *moment_leaves[:2], moment_leaves[2] if amsgrad else []
+            new_params, mu, nu, nu_max = param_leaves, mu_leaves, nu_leaves, nu_max_leaves
         else:
             new_params, mu, nu, nu_max = _fused_adam(*args)
         new_states[n_coupled] = ScaleByAdamState(
