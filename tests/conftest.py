@@ -33,6 +33,25 @@ def hide_import(monkeypatch) -> Callable[[str], None]:
     return hidden.append
 
 
+class RecordingInductor:
+    """A ``torch.compile`` backend: inductor, keeping every FX graph it is given in ``graphs``."""
+
+    def __init__(self) -> None:
+        self.graphs: list[torch.fx.GraphModule] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):  # type: ignore[no-untyped-def]
+        from torch._inductor.compile_fx import compile_fx
+
+        self.graphs.append(gm)
+        return compile_fx(gm, example_inputs)
+
+
+@pytest.fixture
+def recording_inductor() -> RecordingInductor:
+    """``torch.compile(fn, backend=recording_inductor)``; ``recording_inductor.graphs``: what it compiled."""
+    return RecordingInductor()
+
+
 def pytest_collection_modifyitems(config, items):
     """Skip ``cuda``-marked tests where torch sees no CUDA GPU."""
     if torch.cuda.is_available():

@@ -164,9 +164,7 @@ def test_available_metrics_all_build() -> None:
 
 
 @pytest.mark.compile
-def test_collection_update_compiles_to_one_graph_and_equals_eager(classification) -> None:
-    from torch._inductor.compile_fx import compile_fx
-
+def test_collection_update_compiles_to_one_graph_and_equals_eager(classification, recording_inductor) -> None:
     logits, labels = classification
     collection = metrics.Collection(
         {
@@ -175,18 +173,14 @@ def test_collection_update_compiles_to_one_graph_and_equals_eager(classification
             "f1": metrics.from_torchmetrics("F1Score", task="multiclass", num_classes=5, average="macro"),
         }
     )
-    graphs = []
-
-    def counting_inductor(gm, example_inputs):
-        graphs.append(gm)
-        return compile_fx(gm, example_inputs)
+    graphs = recording_inductor.graphs
 
     def eval_update(state, preds, target):
         loss = torch.nn.functional.cross_entropy(preds, target)
         return collection.update(state, preds=preds, target=target, loss=loss, num_examples=preds.shape[0])
 
     torch._dynamo.reset()
-    compiled = torch.compile(eval_update, backend=counting_inductor, fullgraph=True)
+    compiled = torch.compile(eval_update, backend=recording_inductor, fullgraph=True)
     state_c = state_e = collection.empty()
     for rows in (slice(0, 8), slice(8, 16), slice(16, 24)):  # same shapes: no recompile
         state_c = compiled(state_c, logits[rows], labels[rows])

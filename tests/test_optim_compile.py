@@ -9,15 +9,8 @@ from functrain import optim, tree
 
 
 @pytest.mark.compile
-def test_adamw_warmup_cosine_compiles_once_and_matches_eager() -> None:
-    from torch._inductor.compile_fx import compile_fx
-
-    compiles = []
-
-    def counting_inductor(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):  # type: ignore[no-untyped-def]
-        compiles.append(gm)
-        return compile_fx(gm, example_inputs)
-
+def test_adamw_warmup_cosine_compiles_once_and_matches_eager(recording_inductor) -> None:  # type: ignore[no-untyped-def]
+    compiles = recording_inductor.graphs
     torch._dynamo.reset()
     schedule = optim.warmup_cosine_decay_schedule(0.0, 1e-2, warmup_steps=2, decay_steps=8)
     tx = optim.chain(
@@ -29,7 +22,7 @@ def test_adamw_warmup_cosine_compiles_once_and_matches_eager() -> None:
         updates, state = tx.update(grads, state, params)
         return optim.apply_updates(params, updates), state
 
-    compiled = torch.compile(step, fullgraph=True, backend=counting_inductor)
+    compiled = torch.compile(step, fullgraph=True, backend=recording_inductor)
     g = torch.Generator().manual_seed(0)
     params = {"fc.weight": torch.randn(4, 3, generator=g), "fc.bias": torch.randn(4, generator=g)}
     eager_params, eager_state = params, tx.init(params)

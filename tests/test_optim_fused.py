@@ -188,22 +188,15 @@ def test_chain_has_apply_only_when_its_last_transform_has() -> None:
 
 
 @pytest.mark.compile
-def test_compiled_apply_is_one_extern_call_and_matches_eager() -> None:
-    from torch._inductor.compile_fx import compile_fx
-
-    graphs = []
-
-    def inductor(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):  # type: ignore[no-untyped-def]
-        graphs.append(gm)
-        return compile_fx(gm, example_inputs)
-
+def test_compiled_apply_is_one_extern_call_and_matches_eager(recording_inductor) -> None:  # type: ignore[no-untyped-def]
+    graphs = recording_inductor.graphs
     torch._dynamo.reset()
     tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(optim.cosine_decay_schedule(0.1, 10)))
 
     def step(params, grads, state):  # type: ignore[no-untyped-def]
         return optim.apply_gradients(tx, grads, state, params)
 
-    compiled = torch.compile(step, fullgraph=True, backend=inductor)
+    compiled = torch.compile(step, fullgraph=True, backend=recording_inductor)
     eager, compiled_result = (_params(), tx.init(_params())), (_params(), tx.init(_params()))
     for grads in _grads(4):
         eager = step(*eager[:1], grads, eager[1])
