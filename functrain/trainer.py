@@ -671,7 +671,9 @@ class Trainer:
             out.append(averaging.AveragedEvaluation())
         if cfg.nonfinite != "ignore":
             stop = cfg.nonfinite == "stop"
-            out.append(cbs.SkippedSteps(1 if stop else cfg.resolved_max_consecutive_nonfinite, every_step=stop))
+            out.append(
+                cbs.SkippedSteps(1 if stop else cfg.resolved_max_consecutive_nonfinite, every_step=stop)
+            )
         return out + self.extra_callbacks
 
     def _loggers(self, log_dir: Path) -> list[Any]:
