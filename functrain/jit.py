@@ -443,6 +443,7 @@ class CompiledStep:
         # evaluation compiles: direct calls need the one graph of fullgraph=True.
         self._cache_hits = CacheHits(target, enabled=compile and fullgraph)
         self._lookup_in_traceable = False
+        self._settle = _settling_forward(fn) if compile else None
         if compile:
             config = dict(torch._inductor.list_mode_options(mode)) if mode else {}
             config.update(options or {})
@@ -541,6 +542,9 @@ class CompiledStep:
                 out = self._cache_hits.call(state, args, kwargs)
             if out is not MISS:
                 return out
+        if self._settle is not None:  # before the first trace, once
+            settle, self._settle = self._settle, None
+            _settle(settle, self.__name__, state, args, kwargs)
         compiles = self.num_compiles
         # The model's torch.utils.checkpoint, RNNs and log calls, made traceable (functrain.traceable).
         with traceable(self._model, compiled=self.compile):
@@ -624,6 +628,36 @@ class CompiledStep:
     def __repr__(self) -> str:
         how = "compiled" if self.compile else "eager"
         return f"CompiledStep({self.__name__}, {how}, donate={self.donate}, compiles={self.num_compiles})"
+
+
+def _settling_forward(step: Callable[..., Any]) -> Callable[..., Any] | None:
+    """What runs a step's model once eagerly before its first trace: a train step's ``settle`` (its loss
+    function's forward, without gradients); an eval or predict step of a module is a forward itself."""
+    settle = getattr(step, "settle", None)
+    if settle is None and getattr(step, "kind", None) in ("eval", "predict"):
+        settle = step if isinstance(getattr(step, "model", None), torch.nn.Module) else None
+    return settle
+
+
+def _settle(settle: Callable[..., Any], name: str, state: Any, args: tuple, kwargs: dict) -> None:
+    """Run ``settle(state, *args)`` eagerly, leaving the random generators as they were.
+
+    Models settle Python attributes in their first forward: Hugging Face's classification heads (BERT,
+    ViT, ...) set ``config.problem_type`` from the labels. Traced first, the step guards the unsettled
+    value (``config.problem_type is None``) and recompiles on its second call, as any ``torch.compile``
+    of such a model does. One eager forward first costs far less than a compile (benchmarks/README.md).
+    A forward that fails here is left to the compiled call, which reports it.
+    """
+    device = _device_of(state)
+    devices = [device.index or 0] if device is not None and device.type not in ("cpu", "meta") else []
+    started = time.perf_counter()
+    try:
+        with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
+            settle(state, *args, **kwargs)
+    except Exception as e:
+        log.debug("%s: the eager forward before the first compile failed (%s: %s)", name, type(e).__name__, e)
+        return
+    log.debug("%s: eager forward before the first compile: %.3f s", name, time.perf_counter() - started)
 
 
 def _with_own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
