@@ -30,8 +30,8 @@ import torch
 import torch._dynamo
 import torch.utils._pytree as torch_pytree
 
+from functrain import _compile_times, random, tree
 from functrain import _foreach as foreach
-from functrain import random, tree
 from functrain._isa_probe import vec_isa_verified
 from functrain.cache_hits import MISS, CacheHits, with_code
 from functrain.distributed.env import rank as distributed_rank
@@ -444,6 +444,7 @@ class CompiledStep:
         self._cache_hits = CacheHits(target, enabled=compile and fullgraph)
         self._lookup_in_traceable = False
         self._settle = _settling_forward(fn) if compile else None
+        self._options = {"fullgraph": fullgraph, "dynamic": dynamic, "mode": mode, "options": options}
         if compile:
             config = dict(torch._inductor.list_mode_options(mode)) if mode else {}
             config.update(options or {})
@@ -585,11 +586,30 @@ class CompiledStep:
             _load_cache_dir(self.cache_dir)
         # Cache misses are only read to decide whether to write a cache file.
         misses = _cache_misses() if self.cache_dir is not None else 0
+        key = self._announce_first_compile(state, args, kwargs) if self.num_compiles == 0 else None
         compiles, started = self.num_compiles, time.perf_counter()
         out = self._compiled(state, *args, **kwargs)
         if self.num_compiles != compiles:
-            self._compiled_in(time.perf_counter() - started, misses)
+            seconds = time.perf_counter() - started
+            self._compiled_in(seconds, misses)
+            if key is not None:
+                _compile_times.record(key, seconds)
         return out
+
+    def _announce_first_compile(self, state: Any, args: tuple, kwargs: dict) -> str | None:
+        """Log that the first compile starts, with the last one's time on this machine where functrain's
+        cache has it (:mod:`functrain._compile_times`); returns the key to record this one under."""
+        try:
+            key = _compile_times.compile_key(self.__name__, self._model, (state, args, kwargs), self._options)
+            last = _compile_times.estimate(key)
+        except Exception as e:  # only the estimate is lost
+            log.debug("%s: no compile-time estimate (%s: %s)", self.__name__, type(e).__name__, e)
+            key, last = None, None
+        log.info(
+            "compiling %s: first call%s", self.__name__,
+            f" (~{last:.3g} s: the last compile of this step on this machine)" if last is not None else "",
+        )  # fmt: skip
+        return key
 
     def _compiled_in(self, seconds: float, misses_before: int) -> None:
         """Account for a call that compiled: time, log line, portable cache file (``misses_before``:
