@@ -27,7 +27,7 @@ __all__ = ["ignored_logging", "logging_methods"]
 
 _EMITTING = ("debug", "info", "warning", "warn", "error", "exception", "critical", "fatal", "log")
 _PREFIXES = tuple(f"{m}_" for m in _EMITTING)
-_FOUND: list[Any] = []  # [number of logging.Logger attributes, the methods found]
+_FOUND: list[Any] = []  # [identities of logging.Logger's attributes, the methods found]
 
 
 def logging_methods() -> set[Any]:
@@ -35,14 +35,17 @@ def logging_methods() -> set[Any]:
     (``warning_once``, ``info_once``, ``warning_advice``: names that start with an emitting one and ``_``).
     """
     names = vars(logging.Logger)
-    if _FOUND and _FOUND[0] == len(names):  # runs before every step call: reuse unless methods were added
+    # runs before every step call: reuse unless a method was added or replaced (transformers assigns
+    # logging.Logger.warning_once when imported, possibly after the first step)
+    key = tuple(map(id, names.values()))
+    if _FOUND and _FOUND[0] == key:
         return _FOUND[1]
     found = {
         value
         for name, value in names.items()
         if callable(value) and (name in _EMITTING or name.startswith(_PREFIXES))
     }
-    _FOUND[:] = [len(names), found]
+    _FOUND[:] = [key, found]
     return found
 
 
