@@ -1,10 +1,13 @@
-"""nox sessions: tests, lint, bench, demo.  Run ``nox`` (``pip install nox`` first): lint and the tests on
-the newest torch.
+"""nox sessions: tests, lint, bench, demo.  Run ``nox`` (``pip install nox`` first): lint and the whole
+test suite.
 
 Every session installs a pinned torch before functrain: an unpinned torch pulls several GB of CUDA
-packages. ``tests`` runs once per supported torch: ``nox -s "tests(torch='2.13.0')"`` (the newest, the
-whole suite, a CPU build; the default) or an older one such as ``nox -s "tests(torch='2.10.0')"`` (PyPI's
-CUDA build, about 3 GB more, which runs on a CPU too) for the tests that compile a step.
+packages. ``tests`` runs once per supported torch. ``nox -s "tests(torch='2.13.0')"`` (``FULL``, the
+default) runs the whole suite (on a CPU build where pip finds one, as on the CI machine); every other version, ``nox -s "tests(torch='2.15.0')"``
+(``NEWEST``, what ``pip install torch`` gives today), ``2.14.1`` or the floor ``2.10.0``, runs the tests
+that compile a step (``FLOOR_TESTS``) on PyPI's CUDA build (about 3 GB more, it runs on a CPU too).
+A machine whose pip is capped below a version (a constraint file) cannot install it: lift the cap for
+that run, e.g. ``PIP_CONSTRAINT= PIP_CONFIG_FILE=/dev/null nox -s "tests(torch='2.15.0')"``.
 """
 
 from __future__ import annotations
@@ -13,10 +16,13 @@ from pathlib import Path
 
 import nox
 
-NEWEST = "2.13.0"
+# The newest supported torch (the newest release when the range was last checked).
+NEWEST = "2.15.0"
+# The torch the whole suite runs on, as .ci/run does (keep equal to its FULL): a CPU build is at hand.
+FULL = "2.13.0"
 # Every supported torch, newest first; the last is pyproject.toml's torch>= floor (tested by .ci/run).
-TORCH_VERSIONS = [NEWEST, "2.12.0", "2.11.0", "2.10.0"]
-# What an older torch runs: the tests that compile a step (keep in step with .ci/run's FLOOR_TESTS).
+TORCH_VERSIONS = [NEWEST, "2.14.1", "2.13.0", "2.12.0", "2.11.0", "2.10.0"]
+# What the other versions run: the tests that compile a step (keep in step with .ci/run's FLOOR_TESTS).
 FLOOR_TESTS = [
     "tests/test_step.py",
     "tests/test_jit.py",
@@ -26,8 +32,8 @@ FLOOR_TESTS = [
     "tests/test_metrics*.py",
     "tests/test_torch_versions.py",
 ]
-TORCH = f"torch=={NEWEST}"
-nox.options.sessions = ["lint", f"tests(torch='{NEWEST}')"]
+TORCH = f"torch=={FULL}"
+nox.options.sessions = ["lint", f"tests(torch='{FULL}')"]
 
 
 def _install(session: nox.Session, extras: str = "dev", torch: str = TORCH) -> None:
@@ -38,10 +44,10 @@ def _install(session: nox.Session, extras: str = "dev", torch: str = TORCH) -> N
 @nox.session
 @nox.parametrize("torch", TORCH_VERSIONS)
 def tests(session: nox.Session, torch: str) -> None:
-    """The test suite on the newest torch, the step/optimizer/jit/metrics tests on an older one
+    """The whole suite on FULL, the step/optimizer/jit/metrics tests (FLOOR_TESTS) on every other torch
     (compile-heavy tests included; add -- -m 'not compile' to skip them)."""
     _install(session, torch=f"torch=={torch}")
-    if torch == NEWEST:
+    if torch == FULL:
         session.run("python", "-m", "pytest", "-q", *session.posargs)
     else:
         files = sorted(str(p) for pattern in FLOOR_TESTS for p in Path().glob(pattern))

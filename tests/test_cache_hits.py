@@ -124,6 +124,8 @@ def test_calls_after_the_first_compile_run_the_graph_directly_with_the_same_resu
     direct, through_dynamo = make(), make()
     through_dynamo._cache_hits.enabled = False
     a = b = state
+    # Bitwise: both run the one graph inductor generated for this machine (the same kernels), whichever
+    # path calls it.
     for i in range(4):
         batch = classification_batch(seed=i)
         a, ma = direct(a, batch)

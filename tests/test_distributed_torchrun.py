@@ -165,5 +165,5 @@ def test_compiled_step_all_reduces_in_one_graph(tmp_path: str) -> None:
     r0, r1 = _torchrun("compile", str(tmp_path), timeout=600)
     assert r0["num_compiles"] == 1  # one graph, no break, no recompile across 2 steps
     _assert_close(r0["compiled"], r0["eager"], atol=1e-5)
-    for k in r0["compiled"]:
+    for k in r0["compiled"]:  # bitwise: both ranks run the same graph on the same all-reduced gradients
         assert torch.equal(r0["compiled"][k], r1["compiled"][k])

@@ -146,16 +146,23 @@ def _train_ensemble(model, batches, **step_kwargs):
     return state, metrics
 
 
-def test_each_of_8_members_after_50_steps_equals_the_member_trained_alone_bitwise():
-    """The acceptance test. An MLP's eager kernels under vmap (batched matmul over the member axis)
-    give bit-identical results to the single model's here, so the comparison is exact."""
+def test_each_of_8_members_after_50_steps_matches_the_member_trained_alone():
+    """The acceptance test. Under vmap an MLP's matmuls run batched over the member axis: other BLAS
+    calls than the single model's. They agree bit for bit on this machine (AVX-512, and with
+    ATEN_CPU_CAPABILITY=avx2/default, MKL_ENABLE_INSTRUCTIONS=AVX2/SSE4_2), but no BLAS promises that
+    across shapes, so float leaves are compared at float32 rounding and the rest exactly. A member given
+    another's learning rate or weight decay is ~1e-2 off after 50 steps."""
     model = mlp()
     batches = [classification_batch(16, seed=s) for s in range(50)]
     state, metrics = _train_ensemble(model, batches)
     assert metrics["loss"].shape == (8,)
     for i in range(8):
         alone = _train_alone(model, LRS[i], WDS[i], i, batches)
-        assert _equal(ft.ensemble.member(state, i), alone), f"member {i}"
+        member = ft.ensemble.member(state, i)
+        pairs = list(zip(tree.leaves(member), tree.leaves(alone), strict=True))
+        exact = [(x, y) for x, y in pairs if not (isinstance(x, torch.Tensor) and x.is_floating_point())]
+        assert _equal([x for x, _ in exact], [y for _, y in exact]), f"member {i}"  # steps, counts, keys
+        assert _max_diff(member, alone) < 1e-5, f"member {i}"
 
 
 def test_batchnorm_cnn_members_match_alone_within_1e5():

@@ -109,7 +109,7 @@ def test_mlp_one_compile_schedule_and_hand_set_hyperparameter_pure():
     eager = ft.jit(step_fn, compile=False)
     batch = classification_batch(n=32)
 
-    # purity and determinism, compiled
+    # purity and determinism, compiled (bitwise: the same compiled graph run twice on the same inputs)
     before = _leaves(state)
     a, ma = compiled(state, batch)
     b, mb = compiled(state, batch)
@@ -283,7 +283,7 @@ def test_cache_dir_makes_a_fresh_inductor_cache_start_warm(tmp_path, monkeypatch
     fx_hits = counters["inductor"]["fxgraph_cache_hit"]
     aot_hits = counters["aot_autograd"]["autograd_cache_hit"]
     second = ft.jit(train_step, cache_dir=cache)
-    out, _ = second(state, batch)
+    out, _ = second(state, batch)  # bitwise below: the kernels compiled from the cache file
     assert second.num_compiles == 1
     assert counters["aot_autograd"]["autograd_cache_hit"] > aot_hits
     assert counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"] > (

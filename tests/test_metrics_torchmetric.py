@@ -148,7 +148,7 @@ def test_every_tested_update_traces_in_one_fullgraph() -> None:
     states = {case: m.empty() for case, m in built.items()}
     traced = torch.compile(update_all, backend="eager", fullgraph=True)(states)
     eager = update_all(states)
-    for case in cases:
+    for case in cases:  # bitwise: backend="eager" runs the traced graph with eager's own kernels
         for key in eager[case]:
             assert torch.equal(traced[case][key], eager[case][key]), (case, key)
 

@@ -3,6 +3,8 @@ that make a compiled step trace on every supported torch (CI runs this file on t
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import importlib
 import re
 from collections import namedtuple
@@ -40,13 +42,62 @@ def test_no_workaround_is_left_for_versions_below_the_floor():
         assert workaround.symptom and workaround.remove
 
 
+ROOT = Path(__file__).parents[1]
+
+
+def _nox() -> dict[str, object]:
+    """noxfile.py's module-level constants (NEWEST, FULL, TORCH_VERSIONS, FLOOR_TESTS), read without nox."""
+    constants: dict[str, object] = {}
+
+    def value(node: ast.expr) -> object:
+        if isinstance(node, ast.Name):
+            return constants[node.id]
+        if isinstance(node, ast.List):
+            return [value(element) for element in node.elts]
+        return ast.literal_eval(node)
+
+    for node in ast.parse((ROOT / "noxfile.py").read_text()).body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            with contextlib.suppress(ValueError, KeyError):  # an f-string, nox's own names
+                constants[node.targets[0].id] = value(node.value)
+    return constants
+
+
+def _ci() -> dict[str, list[str]]:
+    """.ci/run's shell variables: ``NAME=value`` and ``NAME=(a b ...)`` (arrays may span lines)."""
+    text = (ROOT / ".ci" / "run").read_text()
+    found = {name: value.split() for name, value in re.findall(r"^(\w+)=\(([^)]*)\)", text, re.MULTILINE)}
+    found.update({name: [value] for name, value in re.findall(r"^(\w+)=([^(\s]\S*)$", text, re.MULTILINE)})
+    return found
+
+
 def test_ci_and_nox_test_the_declared_floor():
-    root = Path(__file__).parents[1]
-    ci_floor = re.search(r"^FLOOR=(\S+)", (root / ".ci" / "run").read_text(), re.MULTILINE)
-    nox_versions = re.search(r"^TORCH_VERSIONS = \[(.*)\]", (root / "noxfile.py").read_text(), re.MULTILINE)
-    assert ci_floor and nox_versions
-    oldest_in_nox = re.findall(r"[\d.]+", nox_versions.group(1))[-1]
-    assert torch_version(ci_floor.group(1)) == declared_floor() == torch_version(oldest_in_nox)
+    (ci_floor,) = _ci()["FLOOR"]
+    oldest_in_nox = _nox()["TORCH_VERSIONS"][-1]
+    assert torch_version(ci_floor) == declared_floor() == torch_version(oldest_in_nox)
+
+
+def test_ci_and_nox_agree_on_the_versions_and_the_compile_tests():
+    nox, ci = _nox(), _ci()
+    versions = nox["TORCH_VERSIONS"]
+    assert versions == sorted(versions, key=lambda v: tuple(map(int, v.split("."))), reverse=True)
+    assert versions[0] == nox["NEWEST"] == ci["NEWEST_CANDIDATES"][0], "newest first, the same in both"
+    assert set(ci["NEWEST_CANDIDATES"]) <= set(versions) and ci["NEWEST_CANDIDATES"] == sorted(
+        ci["NEWEST_CANDIDATES"], key=versions.index
+    )
+    assert ci["FULL"] == [nox["FULL"]] and nox["FULL"] in versions
+    assert ci["FLOOR_TESTS"] == nox["FLOOR_TESTS"]
+    for pattern in nox["FLOOR_TESTS"]:
+        assert list(ROOT.glob(pattern)), f"FLOOR_TESTS: {pattern} matches no file"
+
+
+def test_workarounds_are_for_supported_versions():
+    newest = torch_version(_nox()["NEWEST"])
+    for workaround in TORCH_WORKAROUNDS:
+        assert workaround.first <= newest, (
+            f"{workaround.where}: a workaround for torch {workaround.first}, newer than the newest "
+            f"supported {newest}: add that torch to noxfile.py's TORCH_VERSIONS and .ci/run first"
+        )
 
 
 def test_installed_torch_is_inside_the_declared_range():
