@@ -29,10 +29,12 @@ from functrain.optim._leaves import (
     check_real,
     flatten_matching,
     scalar,
+    scalar_dtype,
     zero_count,
 )
 from functrain.optim.base import EmptyState, GradientTransformation, ScalarOrSchedule, stateless_leafwise
 from functrain.optim.hyperparams import hyperparam_field
+from functrain.optim.schedules import evaluate
 from functrain.tree import PyTree
 
 __all__ = [
@@ -56,11 +58,18 @@ __all__ = [
 ]
 
 
-def _one_minus_pow(base: float, count: torch.Tensor) -> torch.Tensor:
-    """``1 - base ** count`` as float32, accurate for small counts (``-expm1(count * log(base))``)."""
+def _one_minus_pow(base: float, count: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``1 - base ** count`` as ``dtype``.
+
+    float32: ``-expm1(count * log(base))``, accurate for small counts (``1 - 0.999 ** 1`` in float32 loses
+    4 of its 7 digits). float64: torch.optim's ``1 - base ** count`` (its cancellation costs at most ~1e-13
+    relative), so float64 runs match torch's bias corrections to the last bit or two.
+    """
     if base == 0.0:
-        return torch.ones_like(count, dtype=torch.float32)
-    return -torch.expm1(count.to(torch.float32) * math.log(base))
+        return torch.ones_like(count, dtype=dtype)
+    if dtype == torch.float64:
+        return 1.0 - torch.full_like(count, base, dtype=dtype) ** count.to(dtype)
+    return -torch.expm1(count.to(dtype) * math.log(base))
 
 
 def _once(*scalars: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -136,14 +145,15 @@ def scale_by_learning_rate(
             count = zero_count(params)
             return ScheduledLearningRateState(
                 count=count,
-                learning_rate=schedule(count).to(torch.float32),
+                learning_rate=evaluate(schedule, count, scalar_dtype(params)),
                 learning_rate_scale=scalar(1.0, params),
             )
 
         def update_scheduled(
             updates: PyTree, state: ScheduledLearningRateState, params: PyTree | None = None
         ) -> tuple[PyTree, ScheduledLearningRateState]:
-            (lr,) = _once(schedule(state.count).to(torch.float32) * state.learning_rate_scale)
+            scale = state.learning_rate_scale
+            (lr,) = _once(evaluate(schedule, state.count, scale.dtype) * scale)
             new_state = ScheduledLearningRateState(
                 count=state.count + 1, learning_rate=lr, learning_rate_scale=state.learning_rate_scale
             )
@@ -308,8 +318,9 @@ def scale_by_adam(
         foreach.addcmul_(nu, grads, grads, 1.0 - b2)
         nu_max = foreach.maximum(state_leaves[2], nu) if amsgrad else None
         second = nu_max if amsgrad else nu
-        bias_correction1 = _one_minus_pow(b1, count)
-        bias_correction2 = _one_minus_pow(b2, count)
+        dtype = scalar_dtype(grads)
+        bias_correction1 = _one_minus_pow(b1, count, dtype)
+        bias_correction2 = _one_minus_pow(b2, count, dtype)
         if eps_root == 0.0:
             bias_correction1, sqrt_bias_correction2 = _once(bias_correction1, torch.sqrt(bias_correction2))
             denom = foreach.sqrt(second)

@@ -1,0 +1,234 @@
+"""float64 parity: functrain's optimizers against torch.optim, 100 steps on the same gradients.
+
+In float64 the hyperparameters are held and applied in float64 (the params' dtype) and Adam's bias
+corrections follow torch's order of operations, so each optimizer stays within ``TOL`` = 1e-14 (max abs
+difference) of every torch.optim implementation of it: single-tensor (``foreach=False``), ``foreach=True``
+and ``fused=True`` where torch has it. ``adam``/``adamw`` with ``fused=True`` call the same fused kernel as
+``torch.optim.AdamW(fused=True)`` and agree with it exactly (0.0, asserted).
+
+torch.optim has no Lion: it is compared with the paper's update (Chen et al. 2023, Algorithm 2) written
+below in plain float64 torch ops.
+
+Eager only: float64 eager is deterministic, and the compiled step's arithmetic is covered at float32
+tolerances elsewhere (tests/test_optim_compile.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from functrain import optim
+
+STEPS = 100
+TOL = 1e-14
+
+Params = dict[str, torch.Tensor]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():  # type: ignore[no-untyped-def]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _params() -> Params:
+    g = torch.Generator().manual_seed(0)
+    shapes = {"w": (7, 5), "b": (13,), "s": ()}
+    return {k: torch.randn(s, generator=g, dtype=torch.float64) for k, s in shapes.items()}
+
+
+def _grads(params: Params) -> list[Params]:
+    """STEPS deterministic gradients, of growing and shrinking size (so moments and signs move)."""
+    g = torch.Generator().manual_seed(1)
+    return [
+        {
+            k: torch.randn(p.shape, generator=g, dtype=torch.float64) * (1 + step % 7)
+            for k, p in params.items()
+        }
+        for step in range(STEPS)
+    ]
+
+
+def _ours(tx: optim.GradientTransformation, params: Params, grads: list[Params]) -> Params:
+    state = tx.init(params)
+    for g in grads:
+        params, state = optim.apply_gradients(tx, g, state, params)
+    return params
+
+
+def _torch(
+    make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+    params: Params,
+    grads: list[Params],
+    lrs: list[float] | None = None,
+    scheduler: Callable[[torch.optim.Optimizer], object] | None = None,
+) -> Params:
+    """torch.optim's run on the same gradients; ``lrs`` sets each step's lr by hand, ``scheduler`` steps one."""
+    ps = {k: torch.nn.Parameter(p.clone()) for k, p in params.items()}
+    opt = make(list(ps.values()))
+    sched = scheduler(opt) if scheduler is not None else None
+    for step, g in enumerate(grads):
+        for k, p in ps.items():
+            p.grad = g[k].clone()
+        if lrs is not None:
+            for group in opt.param_groups:
+                group["lr"] = lrs[step]
+        opt.step()
+        if sched is not None:
+            sched.step()  # type: ignore[attr-defined]
+    return {k: p.detach() for k, p in ps.items()}
+
+
+def _max_abs_diff(a: Params, b: Params) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+# Each torch.optim implementation of an algorithm: single-tensor, foreach, fused.
+IMPLEMENTATIONS = {"single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+
+
+def _check(ours: Params, reference: Params, what: str, exact: bool = False) -> None:
+    diff = _max_abs_diff(ours, reference)
+    print(f"{what}: max abs diff {diff:.3g}")
+    assert all(v.dtype == torch.float64 for v in ours.values())
+    assert diff <= (0.0 if exact else TOL), (
+        f"{what}: max abs diff {diff:.3g} (allowed {0.0 if exact else TOL})"
+    )
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_adamw_float64_matches_torch(fused: bool, weight_decay: float) -> None:
+    params = _params()
+    grads = _grads(params)
+    ours = _ours(optim.adamw(1e-2, b1=0.8, b2=0.95, weight_decay=weight_decay, fused=fused), params, grads)
+    for impl, kwargs in IMPLEMENTATIONS.items():
+        reference = _torch(
+            lambda ps, kwargs=kwargs: torch.optim.AdamW(
+                ps, lr=1e-2, betas=(0.8, 0.95), weight_decay=weight_decay, **kwargs
+            ),
+            params,
+            grads,
+        )
+        _check(
+            ours,
+            reference,
+            f"adamw(fused={fused}, wd={weight_decay}) vs torch {impl}",
+            fused and impl == "fused",
+        )
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
+def test_adam_float64_matches_torch(fused: bool, amsgrad: bool) -> None:
+    """Adam with L2 weight decay (added to the gradient), and with amsgrad."""
+    params = _params()
+    grads = _grads(params)
+    ours = _ours(optim.adam(3e-3, weight_decay=0.05, amsgrad=amsgrad, fused=fused), params, grads)
+    for impl, kwargs in IMPLEMENTATIONS.items():
+        reference = _torch(
+            lambda ps, kwargs=kwargs: torch.optim.Adam(
+                ps, lr=3e-3, weight_decay=0.05, amsgrad=amsgrad, **kwargs
+            ),
+            params,
+            grads,
+        )
+        _check(ours, reference, f"adam(fused={fused}, amsgrad={amsgrad}) vs torch {impl}")
+
+
+@pytest.mark.parametrize(
+    ("momentum", "nesterov", "weight_decay"),
+    [(0.0, False, 0.0), (0.9, False, 0.0), (0.9, True, 0.0), (0.9, False, 0.01), (0.9, True, 0.01)],
+    ids=["plain", "momentum", "nesterov", "momentum-wd", "nesterov-wd"],
+)
+def test_sgd_float64_matches_torch(momentum: float, nesterov: bool, weight_decay: float) -> None:
+    params = _params()
+    grads = _grads(params)
+    ours = _ours(
+        optim.sgd(1e-2, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay), params, grads
+    )
+    for impl, kwargs in IMPLEMENTATIONS.items():
+        reference = _torch(
+            lambda ps, kwargs=kwargs: torch.optim.SGD(
+                ps, lr=1e-2, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, **kwargs
+            ),
+            params,
+            grads,
+        )
+        _check(
+            ours,
+            reference,
+            f"sgd(momentum={momentum}, nesterov={nesterov}, wd={weight_decay}) vs torch {impl}",
+        )
+
+
+def _lion_reference(
+    params: Params, grads: list[Params], lr: float, b1: float, b2: float, wd: float
+) -> Params:
+    """Lion as in the paper (Chen et al. 2023, Algorithm 2), float64, plain torch ops:
+    ``c = b1 m + (1 - b1) g``, ``p = p - lr (sign(c) + wd p)``, ``m = b2 m + (1 - b2) g``."""
+    p = {k: v.clone() for k, v in params.items()}
+    m = {k: torch.zeros_like(v) for k, v in params.items()}
+    for g in grads:
+        for k in p:
+            c = b1 * m[k] + (1 - b1) * g[k]
+            p[k] = p[k] - lr * (torch.sign(c) + wd * p[k])
+            m[k] = b2 * m[k] + (1 - b2) * g[k]
+    return p
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_lion_float64_matches_the_papers_update(weight_decay: float) -> None:
+    """torch.optim has no Lion: the reference is the paper's update in float64 torch ops."""
+    params = _params()
+    grads = _grads(params)
+    ours = _ours(optim.lion(1e-3, b1=0.9, b2=0.99, weight_decay=weight_decay), params, grads)
+    reference = _lion_reference(params, grads, 1e-3, 0.9, 0.99, weight_decay)
+    _check(ours, reference, f"lion(wd={weight_decay}) vs the paper's update")
+
+
+def _warmup_cosine(step: int, peak: float, warmup: int, total: int) -> float:
+    """optax's warmup_cosine_decay_schedule(0, peak, warmup, total) at ``step``, in Python floats."""
+    if step < warmup:
+        return peak * step / warmup
+    t = min(step - warmup, total - warmup)
+    return peak * 0.5 * (1 + math.cos(math.pi * t / (total - warmup)))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_scheduled_adamw_float64_matches_torch(fused: bool) -> None:
+    """A warmup-cosine schedule, against torch with each step's lr set by hand (Python floats)."""
+    params = _params()
+    grads = _grads(params)
+    schedule = optim.warmup_cosine_decay_schedule(0.0, 1e-2, warmup_steps=10, decay_steps=80)
+    ours = _ours(optim.adamw(schedule, weight_decay=0.1, fused=fused), params, grads)
+    lrs = [_warmup_cosine(s, 1e-2, 10, 80) for s in range(STEPS)]
+    for impl, kwargs in IMPLEMENTATIONS.items():
+        reference = _torch(
+            lambda ps, kwargs=kwargs: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, **kwargs),
+            params,
+            grads,
+            lrs,
+        )
+        _check(ours, reference, f"adamw(warmup_cosine, fused={fused}) vs torch {impl}")
+
+
+def test_scheduled_sgd_float64_matches_torch_cosine_annealing() -> None:
+    """cosine_decay_schedule against torch.optim.lr_scheduler.CosineAnnealingLR (T_max = the 100 steps)."""
+    params = _params()
+    grads = _grads(params)
+    ours = _ours(optim.sgd(optim.cosine_decay_schedule(0.01, STEPS), momentum=0.9), params, grads)
+    for impl, kwargs in IMPLEMENTATIONS.items():
+        reference = _torch(
+            lambda ps, kwargs=kwargs: torch.optim.SGD(ps, lr=0.01, momentum=0.9, **kwargs),
+            params,
+            grads,
+            scheduler=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS),
+        )
+        _check(ours, reference, f"sgd(cosine_decay) vs torch {impl} + CosineAnnealingLR")
