@@ -232,3 +232,57 @@ def test_scheduled_sgd_float64_matches_torch_cosine_annealing() -> None:
             scheduler=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS),
         )
         _check(ours, reference, f"sgd(cosine_decay) vs torch {impl} + CosineAnnealingLR")
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_mixed_float32_and_float64_params(fused: bool) -> None:
+    """One model with float32 and float64 leaves: each keeps its dtype; the float64 leaf matches torch to
+    1e-14, the float32 one to float32 precision (its hyperparameters are the float64 ones, rounded once)."""
+    params = _params()
+    params["w"] = params["w"].float()
+    grads = [{k: v.to(params[k].dtype) for k, v in g.items()} for g in _grads(params)]
+    tx = optim.adamw(1e-2, weight_decay=0.1, fused=fused)
+    assert optim.hyperparams(tx.init(params))["learning_rate"].dtype == torch.float64
+    ours = _ours(tx, params, grads)
+    reference = _torch(
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=False), params, grads
+    )
+    assert {k: v.dtype for k, v in ours.items()} == {k: v.dtype for k, v in params.items()}
+    assert max(float((ours[k] - reference[k]).abs().max()) for k in ("b", "s")) <= TOL
+    torch.testing.assert_close(ours["w"], reference["w"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_float32_and_bfloat16_keep_float32_hyperparameters(fused: bool) -> None:
+    """Without float64 leaves nothing changes: float32 hyperparameters and step math, bf16 leaves stay
+    bf16 and follow torch.optim at bf16 precision."""
+    params = {k: v.float() for k, v in _params().items()}
+    params["w"] = params["w"].bfloat16()
+    grads = [{k: v.to(params[k].dtype) for k, v in g.items()} for g in _grads(params)[:20]]
+    tx = optim.adamw(1e-2, weight_decay=0.1, fused=fused)
+    assert {v.dtype for v in optim.hyperparams(tx.init(params)).values()} == {torch.float32}
+    ours = _ours(tx, params, grads)
+    reference = _torch(
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=False), params, grads
+    )
+    assert {k: v.dtype for k, v in ours.items()} == {k: v.dtype for k, v in params.items()}
+    torch.testing.assert_close(ours["b"], reference["b"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours["w"].float(), reference["w"].float(), rtol=2e-2, atol=2e-2)
+
+
+def test_float64_state_holds_exact_hyperparameters() -> None:
+    """A state built from float64 params holds the rates as given (not their float32 roundings), and
+    set_hyperparams keeps them float64."""
+    import functrain as ft
+
+    model = torch.nn.Linear(3, 2)
+    state = ft.TrainState.create(model, optim.adamw(1e-3, weight_decay=0.1), dtype=torch.float64)
+    values = optim.hyperparams(state.opt_state)
+    assert {k: (v.dtype, float(v)) for k, v in values.items()} == {
+        "learning_rate": (torch.float64, 1e-3),
+        "weight_decay": (torch.float64, 0.1),
+    }
+    changed = optim.hyperparams(optim.set_hyperparams(state.opt_state, learning_rate=3e-4))["learning_rate"]
+    assert changed.dtype == torch.float64 and float(changed) == 3e-4
+    scheduled = optim.sgd(optim.cosine_decay_schedule(0.1, 10)).init(state.params)
+    assert float(optim.hyperparams(scheduled)["learning_rate"]) == 0.1
