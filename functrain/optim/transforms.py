@@ -58,18 +58,18 @@ __all__ = [
 ]
 
 
-def _one_minus_pow(base: float, count: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``1 - base ** count`` as ``dtype``.
-
-    float32: ``-expm1(count * log(base))``, accurate for small counts (``1 - 0.999 ** 1`` in float32 loses
-    4 of its 7 digits). float64: torch.optim's ``1 - base ** count`` (its cancellation costs at most ~1e-13
-    relative), so float64 runs match torch's bias corrections to the last bit or two.
+def _one_minus_pow(base: float, count: torch.Tensor) -> torch.Tensor:
+    """``1 - base ** count`` as torch.optim computes it, in float64 (as its Python floats are): float64
+    params get torch's bias corrections to the last bit or two, float32 and bf16 ones the float64 value
+    rounded once (the cancellation in ``1 - 0.999 ** 1`` costs ~1e-13 relative in float64, 4 of float32's 7
+    digits). Float32 where the device has no float64 (MPS), as ``-expm1(count * log(base))``, accurate for
+    small counts. The dtype follows the count's device, not the leaves: no per-leaf check to trace.
     """
-    if base == 0.0:
-        return torch.ones_like(count, dtype=dtype)
-    if dtype == torch.float64:
-        return 1.0 - torch.full_like(count, base, dtype=dtype) ** count.to(dtype)
-    return -torch.expm1(count.to(dtype) * math.log(base))
+    if count.device.type == "mps":
+        if base == 0.0:
+            return torch.ones_like(count, dtype=torch.float32)
+        return -torch.expm1(count.to(torch.float32) * math.log(base))
+    return 1.0 - torch.full_like(count, base, dtype=torch.float64) ** count.to(torch.float64)
 
 
 def _once(*scalars: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -318,9 +318,8 @@ def scale_by_adam(
         foreach.addcmul_(nu, grads, grads, 1.0 - b2)
         nu_max = foreach.maximum(state_leaves[2], nu) if amsgrad else None
         second = nu_max if amsgrad else nu
-        dtype = scalar_dtype(grads)
-        bias_correction1 = _one_minus_pow(b1, count, dtype)
-        bias_correction2 = _one_minus_pow(b2, count, dtype)
+        bias_correction1 = _one_minus_pow(b1, count)
+        bias_correction2 = _one_minus_pow(b2, count)
         if eps_root == 0.0:
             bias_correction1, sqrt_bias_correction2 = _once(bias_correction1, torch.sqrt(bias_correction2))
             denom = foreach.sqrt(second)
