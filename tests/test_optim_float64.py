@@ -29,14 +29,6 @@ TOL = 1e-14
 Params = dict[str, torch.Tensor]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():  # type: ignore[no-untyped-def]
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _params() -> Params:
     g = torch.Generator().manual_seed(0)
     shapes = {"w": (7, 5), "b": (13,), "s": ()}
