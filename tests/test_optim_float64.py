@@ -278,3 +278,19 @@ def test_float64_state_holds_exact_hyperparameters() -> None:
     assert changed.dtype == torch.float64 and float(changed) == 3e-4
     scheduled = optim.sgd(optim.cosine_decay_schedule(0.1, 10)).init(state.params)
     assert float(optim.hyperparams(scheduled)["learning_rate"]) == 0.1
+
+
+def test_adagrad_with_lr_decay_float64_matches_torch() -> None:
+    """Adagrad's lr_decay is a schedule computed in float64 for float64 params, as torch's (in double)."""
+    params = _params()
+    grads = _grads(params)
+    ours = _ours(optim.adagrad(1e-2, lr_decay=0.01, weight_decay=0.01), params, grads)
+    for impl, kwargs in IMPLEMENTATIONS.items():
+        reference = _torch(
+            lambda ps, kwargs=kwargs: torch.optim.Adagrad(
+                ps, lr=1e-2, lr_decay=0.01, weight_decay=0.01, **kwargs
+            ),
+            params,
+            grads,
+        )
+        _check(ours, reference, f"adagrad(lr_decay=0.01) vs torch {impl}")

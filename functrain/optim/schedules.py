@@ -38,6 +38,7 @@ __all__ = [
     "one_cycle_schedule",
     "piecewise_constant_schedule",
     "polynomial_schedule",
+    "takes_dtype",
     "warmup_cosine_decay_schedule",
 ]
 
@@ -55,8 +56,17 @@ def _float_count(count: int | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return _count(count).to(dtype)
 
 
-def _takes_dtype(schedule: Callable[..., torch.Tensor]) -> Schedule:
-    """Mark a built-in schedule as taking ``dtype=`` (see :func:`evaluate`)."""
+def takes_dtype(schedule: Callable[..., torch.Tensor]) -> Schedule:
+    """Mark a schedule ``(count, dtype=torch.float32) -> value`` as computing in ``dtype`` (the built-in
+    ones are; see :func:`evaluate`).
+
+    Example:
+        >>> @takes_dtype
+        ... def halving(count, dtype=torch.float32):
+        ...     return 0.5 ** torch.as_tensor(count).to(dtype)
+        >>> evaluate(halving, 3, torch.float64).dtype
+        torch.float64
+    """
     schedule.takes_dtype = True  # type: ignore[attr-defined]
     return schedule
 
@@ -97,7 +107,7 @@ def constant_schedule(value: float) -> Schedule:
     def schedule(count: int | torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.full_like(_float_count(count, dtype), value)
 
-    return _takes_dtype(schedule)
+    return takes_dtype(schedule)
 
 
 def polynomial_schedule(
@@ -122,7 +132,7 @@ def polynomial_schedule(
         t = torch.clamp(_float_count(count, dtype) - transition_begin, 0.0, float(transition_steps))
         return end_value + (init_value - end_value) * (1.0 - t / transition_steps) ** power
 
-    return _takes_dtype(schedule)
+    return takes_dtype(schedule)
 
 
 def linear_schedule(
@@ -164,7 +174,7 @@ def cosine_decay_schedule(
         cosine = 0.5 * (1.0 + torch.cos(t * (math.pi / decay_steps)))
         return init_value * ((1.0 - alpha) * cosine**exponent + alpha)
 
-    return _takes_dtype(schedule)
+    return takes_dtype(schedule)
 
 
 def warmup_cosine_decay_schedule(
@@ -210,7 +220,7 @@ def warmup_cosine_decay_schedule(
         warm = init_value + (peak_value - init_value) * torch.clamp(c / warmup_steps, 0.0, 1.0)
         return torch.where(c < warmup_steps, warm, decayed)
 
-    return _takes_dtype(schedule)
+    return takes_dtype(schedule)
 
 
 def exponential_decay(
@@ -250,7 +260,7 @@ def exponential_decay(
             value = torch.clamp(value, min=end) if decay_rate < 1 else torch.clamp(value, max=end)
         return value
 
-    return _takes_dtype(schedule)
+    return takes_dtype(schedule)
 
 
 def piecewise_constant_schedule(init_value: float, boundaries_and_scales: Mapping[int, float]) -> Schedule:
@@ -277,7 +287,7 @@ def piecewise_constant_schedule(init_value: float, boundaries_and_scales: Mappin
             value = torch.where(c >= boundary, value * factor, value)
         return value
 
-    return _takes_dtype(schedule)
+    return takes_dtype(schedule)
 
 
 def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Schedule:
@@ -309,7 +319,7 @@ def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> 
             value = torch.where(c >= boundary, evaluate(later, c - boundary, dtype), value)
         return value
 
-    return _takes_dtype(schedule)
+    return takes_dtype(schedule)
 
 
 def one_cycle_schedule(
@@ -376,4 +386,4 @@ def one_cycle_schedule(
         assert value is not None
         return value
 
-    return _takes_dtype(schedule)
+    return takes_dtype(schedule)
