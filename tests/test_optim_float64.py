@@ -294,3 +294,19 @@ def test_adagrad_with_lr_decay_float64_matches_torch() -> None:
             grads,
         )
         _check(ours, reference, f"adagrad(lr_decay=0.01) vs torch {impl}")
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_schedule_of_a_state_cast_to_bfloat16_still_computes_in_float32(fused: bool) -> None:
+    """``TrainState.to(dtype=torch.bfloat16)`` casts the hyperparameters too; the schedule is still
+    evaluated in float32 (a bf16 count would stall at 256), as before float64 support."""
+    import functrain as ft
+
+    schedule = optim.linear_schedule(1.0, 0.0, transition_steps=1000)
+    tx = optim.adamw(schedule, fused=fused)
+    state = ft.TrainState.create(torch.nn.Linear(2, 1), tx).to(dtype=torch.bfloat16)
+    *rest, lr_state = state.opt_state
+    opt_state = (*rest, lr_state.replace(count=torch.tensor(257)))
+    grads = {k: torch.ones_like(v) for k, v in state.params.items()}
+    _, new = optim.apply_gradients(tx, grads, opt_state, state.params)
+    assert float(optim.hyperparams(new)["learning_rate"]) == pytest.approx(1 - 257 / 1000, rel=1e-6)

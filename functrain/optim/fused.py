@@ -192,9 +192,10 @@ def _kernel_applies(params: list[Tensor], grads: list[Tensor], moments: list[lis
 
 def _learning_rate(lr_tx: GradientTransformation, state: OptState, like: Tensor) -> tuple[Tensor, OptState]:
     """The rate ``lr_tx`` (a ``scale_by_learning_rate``) applies this step, and its next state: what it
-    makes of an update of -1 (constant, scheduled and scaled rates alike), in the dtype of the rate in
-    its state (float64 for float64 params: the exact rate)."""
-    minus_one = torch.full((), -1.0, dtype=state.learning_rate.dtype, device=like.device)
+    makes of an update of -1 (constant, scheduled and scaled rates alike): float32, or float64 when the
+    rate in its state is (float64 params: the exact rate)."""
+    dtype = torch.promote_types(state.learning_rate.dtype, torch.float32)
+    minus_one = torch.full((), -1.0, dtype=dtype, device=like.device)
     scaled, state = lr_tx.update({"rate": minus_one}, state)
     return scaled["rate"], state
 

@@ -153,7 +153,9 @@ def scale_by_learning_rate(
             updates: PyTree, state: ScheduledLearningRateState, params: PyTree | None = None
         ) -> tuple[PyTree, ScheduledLearningRateState]:
             scale = state.learning_rate_scale
-            (lr,) = _once(evaluate(schedule, state.count, scale.dtype) * scale)
+            # float32, or float64 when the state's hyperparameters are (never a cast-down bf16 count)
+            dtype = torch.promote_types(scale.dtype, torch.float32)
+            (lr,) = _once(evaluate(schedule, state.count, dtype) * scale)
             new_state = ScheduledLearningRateState(
                 count=state.count + 1, learning_rate=lr, learning_rate_scale=state.learning_rate_scale
             )
