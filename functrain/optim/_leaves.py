@@ -62,13 +62,11 @@ def zero_count(params: PyTree) -> torch.Tensor:
 
 
 def scalar_dtype(params: PyTree) -> torch.dtype:
-    """The dtype an optimizer's hyperparameters and 0-d step math use for these params (or their leaves):
-    float64 when any leaf is float64, so float64 training applies them as torch.optim does (in double);
-    else float32 (float32, bf16 and fp16 params alike, as before). Read from dtypes only: static under a
-    trace. A float32 or bf16 leaf multiplied by a float64 0-d tensor stays in its own dtype (the scalar is
-    rounded to it once)."""
-    leaves = params if isinstance(params, list) else tree.leaves(params)
-    if any(isinstance(x, torch.Tensor) and x.dtype == torch.float64 for x in leaves):
+    """The dtype of the hyperparameters an optimizer keeps for these params: float64 when any leaf is
+    float64, so float64 training applies them as torch.optim does (in double); else float32 (float32, bf16
+    and fp16 params alike, as before). A float32 or bf16 leaf multiplied by a float64 0-d tensor stays in
+    its own dtype (the scalar is rounded to it once)."""
+    if any(isinstance(x, torch.Tensor) and x.dtype == torch.float64 for x in tree.leaves(params)):
         return torch.float64
     return torch.float32
 
