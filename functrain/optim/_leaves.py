@@ -61,8 +61,20 @@ def zero_count(params: PyTree) -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64, device=device_of(params))
 
 
-def scalar(value: float | torch.Tensor, params: PyTree, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A 0-d tensor holding ``value`` on the params' device (a hyperparameter in the state)."""
+def scalar_dtype(params: PyTree) -> torch.dtype:
+    """The dtype of the hyperparameters an optimizer keeps for these params: float64 when any leaf is
+    float64, so float64 training applies them as torch.optim does (in double); else float32 (float32, bf16
+    and fp16 params alike, as before). A float32 or bf16 leaf multiplied by a float64 0-d tensor stays in
+    its own dtype (the scalar is rounded to it once)."""
+    if any(isinstance(x, torch.Tensor) and x.dtype == torch.float64 for x in tree.leaves(params)):
+        return torch.float64
+    return torch.float32
+
+
+def scalar(value: float | torch.Tensor, params: PyTree, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A 0-d tensor holding ``value`` on the params' device (a hyperparameter in the state), of
+    :func:`scalar_dtype` unless ``dtype`` is given."""
+    dtype = scalar_dtype(params) if dtype is None else dtype
     return torch.as_tensor(value, dtype=dtype, device=device_of(params)).detach().clone().reshape(())
 
 

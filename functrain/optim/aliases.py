@@ -20,6 +20,7 @@ import torch
 from functrain.optim._leaves import check_nonnegative, check_real
 from functrain.optim.base import GradientTransformation, ScalarOrSchedule, chain
 from functrain.optim.fused import adam_with_fused_apply
+from functrain.optim.schedules import takes_dtype
 from functrain.optim.transforms import (
     add_decayed_weights,
     scale_by_adagrad,
@@ -168,8 +169,9 @@ def adagrad(
             raise ValueError("adagrad: give either lr_decay or a learning-rate schedule, not both")
         base = check_real("adagrad", "learning_rate", learning_rate)
 
-        def learning_rate(count):  # type: ignore[no-untyped-def]
-            return base / (1.0 + count.to(torch.float32) * lr_decay)
+        @takes_dtype
+        def learning_rate(count, dtype=torch.float32):  # type: ignore[no-untyped-def]
+            return base / (1.0 + count.to(dtype) * lr_decay)
 
     return chain(
         *_coupled_decay(check_nonnegative("adagrad", "weight_decay", weight_decay)),

@@ -80,6 +80,7 @@ def _adam_step(
         shrink = [i for i in index if decayed[i]] if decayed else []
         if shrink:
             shrunk = [params[i] for i in shrink]
+            # In the hyperparameters' dtype (float64 for float64 params: torch's ``1 - lr * wd`` in double).
             factor = 1 - lr * weight_decay.to(device)
             if in_place:
                 torch._foreach_mul_(shrunk, factor)
@@ -90,11 +91,14 @@ def _adam_step(
             for i in set(index) - set(shrink):
                 new_params[i] = params[i].clone()
         step = count.to(device=device, dtype=torch.float32)
+        # The CPU kernel reads a tensor lr as a double (a float64 lr is exact); the CUDA kernel reads it
+        # through a float pointer, so it gets float32 there.
+        kernel_lr = lr if device.type == "cpu" else lr.to(torch.float32)
         torch._fused_adam_(
             *([xs[i] for i in index] for xs in (new_params, grads, mu, nu)),
             [nu_max[i] for i in index] if nu_max else [],
             [step] * len(index),  # read, not advanced: the kernel's bias corrections use it as the count
-            lr=lr,
+            lr=kernel_lr,
             beta1=b1,
             beta2=b2,
             weight_decay=0.0,
@@ -188,8 +192,10 @@ def _kernel_applies(params: list[Tensor], grads: list[Tensor], moments: list[lis
 
 def _learning_rate(lr_tx: GradientTransformation, state: OptState, like: Tensor) -> tuple[Tensor, OptState]:
     """The rate ``lr_tx`` (a ``scale_by_learning_rate``) applies this step, and its next state: what it
-    makes of an update of -1 (constant, scheduled and scaled rates alike)."""
-    minus_one = torch.full((), -1.0, dtype=torch.float32, device=like.device)
+    makes of an update of -1 (constant, scheduled and scaled rates alike): float32, or float64 when the
+    rate in its state is (float64 params: the exact rate)."""
+    dtype = torch.promote_types(state.learning_rate.dtype, torch.float32)
+    minus_one = torch.full((), -1.0, dtype=dtype, device=like.device)
     scaled, state = lr_tx.update({"rate": minus_one}, state)
     return scaled["rate"], state
 

@@ -14,6 +14,12 @@ update: the schedule at step 0), kept for logging. It is recomputed from the sch
 it is read-only: :func:`set_hyperparams` refuses it and points to ``learning_rate_scale``, a multiplier on
 the schedule (1.0 by default) that is settable.
 
+Dtype: hyperparameters are float32, or float64 when any param is float64 (build the state from float64
+params, e.g. ``TrainState.create(model, tx, dtype=torch.float64)``): a float64 run then applies the exact
+rates and decays, in double as torch.optim does, and matches it to ~1e-15 (tests/test_optim_float64.py).
+Casting a float32 state afterwards (``TrainState.to(dtype=torch.float64)``) casts the float32-rounded values
+(1e-3 becomes 0.0010000000474974513); :func:`set_hyperparams` then sets exact ones.
+
 Example:
     >>> import torch
     >>> from functrain import optim

@@ -1,7 +1,9 @@
 """Schedules: pure functions ``count -> value`` written with tensor ops only.
 
 A schedule takes the step count (a 0-d int tensor, or a Python int for convenience) and returns a
-float32 tensor of the same shape and device. There is no Python branching on the count, so a schedule
+float32 tensor of the same shape and device. The built-in ones also take ``dtype=``: the optimizers call
+them through :func:`evaluate` with ``torch.float64`` when the params are float64, so a float64 run's
+learning rate is computed in double, as torch's LR schedulers compute it. There is no Python branching on the count, so a schedule
 called inside a compiled step is part of the one graph and never recompiles as the count advances.
 Schedules also work elementwise: ``schedule(torch.arange(1000))`` gives the whole curve for a plot.
 
@@ -18,7 +20,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -29,12 +31,14 @@ from functrain.optim.base import Schedule
 __all__ = [
     "constant_schedule",
     "cosine_decay_schedule",
+    "evaluate",
     "exponential_decay",
     "join_schedules",
     "linear_schedule",
     "one_cycle_schedule",
     "piecewise_constant_schedule",
     "polynomial_schedule",
+    "takes_dtype",
     "warmup_cosine_decay_schedule",
 ]
 
@@ -48,8 +52,39 @@ def _count(count: int | torch.Tensor) -> torch.Tensor:
     return torch.tensor(count, dtype=torch.int64)
 
 
-def _float_count(count: int | torch.Tensor) -> torch.Tensor:
-    return _count(count).to(torch.float32)
+def _float_count(count: int | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return _count(count).to(dtype)
+
+
+def takes_dtype(schedule: Callable[..., torch.Tensor]) -> Schedule:
+    """Mark a schedule ``(count, dtype=torch.float32) -> value`` as computing in ``dtype`` (the built-in
+    ones are; see :func:`evaluate`).
+
+    Example:
+        >>> @takes_dtype
+        ... def halving(count, dtype=torch.float32):
+        ...     return 0.5 ** torch.as_tensor(count).to(dtype)
+        >>> evaluate(halving, 3, torch.float64).dtype
+        torch.float64
+    """
+    schedule.takes_dtype = True  # type: ignore[attr-defined]
+    return schedule
+
+
+def evaluate(schedule: Schedule, count: int | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``schedule(count)`` as ``dtype``: a built-in schedule computes in ``dtype``; any other schedule is
+    called with the count alone and its value cast.
+
+    Example:
+        >>> float(evaluate(constant_schedule(0.1), 3, torch.float64))
+        0.1
+        >>> mine = lambda count: torch.full_like(count, 0.1, dtype=torch.float32)  # computed in float32
+        >>> float(evaluate(mine, 3, torch.float64))
+        0.10000000149011612
+    """
+    if getattr(schedule, "takes_dtype", False):
+        return schedule(count, dtype=dtype)  # type: ignore[call-arg]
+    return schedule(_count(count)).to(dtype)
 
 
 def _check_steps(who: str, name: str, value: int, *, allow_zero: bool = False) -> int:
@@ -69,10 +104,10 @@ def constant_schedule(value: float) -> Schedule:
     """
     value = check_real("constant_schedule", "value", value)
 
-    def schedule(count: int | torch.Tensor) -> torch.Tensor:
-        return torch.full_like(_float_count(count), value)
+    def schedule(count: int | torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.full_like(_float_count(count, dtype), value)
 
-    return schedule
+    return takes_dtype(schedule)
 
 
 def polynomial_schedule(
@@ -93,11 +128,11 @@ def polynomial_schedule(
     transition_steps = _check_steps(who, "transition_steps", transition_steps)
     transition_begin = _check_steps(who, "transition_begin", transition_begin, allow_zero=True)
 
-    def schedule(count: int | torch.Tensor) -> torch.Tensor:
-        t = torch.clamp(_float_count(count) - transition_begin, 0.0, float(transition_steps))
+    def schedule(count: int | torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        t = torch.clamp(_float_count(count, dtype) - transition_begin, 0.0, float(transition_steps))
         return end_value + (init_value - end_value) * (1.0 - t / transition_steps) ** power
 
-    return schedule
+    return takes_dtype(schedule)
 
 
 def linear_schedule(
@@ -134,12 +169,12 @@ def cosine_decay_schedule(
     alpha = check_real(who, "alpha", alpha)
     exponent = check_real(who, "exponent", exponent)
 
-    def schedule(count: int | torch.Tensor) -> torch.Tensor:
-        t = torch.clamp(_float_count(count), 0.0, float(decay_steps))
+    def schedule(count: int | torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        t = torch.clamp(_float_count(count, dtype), 0.0, float(decay_steps))
         cosine = 0.5 * (1.0 + torch.cos(t * (math.pi / decay_steps)))
         return init_value * ((1.0 - alpha) * cosine**exponent + alpha)
 
-    return schedule
+    return takes_dtype(schedule)
 
 
 def warmup_cosine_decay_schedule(
@@ -175,8 +210,8 @@ def warmup_cosine_decay_schedule(
         )
     cosine_steps = decay_steps - warmup_steps
 
-    def schedule(count: int | torch.Tensor) -> torch.Tensor:
-        c = _float_count(count)
+    def schedule(count: int | torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        c = _float_count(count, dtype)
         t = torch.clamp(c - warmup_steps, 0.0, float(cosine_steps))
         cosine = (0.5 * (1.0 + torch.cos(t * (math.pi / cosine_steps)))) ** exponent
         decayed = end_value + (peak_value - end_value) * cosine
@@ -185,7 +220,7 @@ def warmup_cosine_decay_schedule(
         warm = init_value + (peak_value - init_value) * torch.clamp(c / warmup_steps, 0.0, 1.0)
         return torch.where(c < warmup_steps, warm, decayed)
 
-    return schedule
+    return takes_dtype(schedule)
 
 
 def exponential_decay(
@@ -216,8 +251,8 @@ def exponential_decay(
     end = None if end_value is None else check_real(who, "end_value", end_value)
     log_rate = math.log(decay_rate)
 
-    def schedule(count: int | torch.Tensor) -> torch.Tensor:
-        p = torch.clamp(_float_count(count) - transition_begin, min=0.0) / transition_steps
+    def schedule(count: int | torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        p = torch.clamp(_float_count(count, dtype) - transition_begin, min=0.0) / transition_steps
         if staircase:
             p = torch.floor(p)
         value = init_value * torch.exp(p * log_rate)
@@ -225,7 +260,7 @@ def exponential_decay(
             value = torch.clamp(value, min=end) if decay_rate < 1 else torch.clamp(value, max=end)
         return value
 
-    return schedule
+    return takes_dtype(schedule)
 
 
 def piecewise_constant_schedule(init_value: float, boundaries_and_scales: Mapping[int, float]) -> Schedule:
@@ -245,14 +280,14 @@ def piecewise_constant_schedule(init_value: float, boundaries_and_scales: Mappin
         _check_steps(who, f"boundary {boundary!r}", boundary, allow_zero=True)
         items.append((boundary, check_real(who, f"scale for boundary {boundary}", factor)))
 
-    def schedule(count: int | torch.Tensor) -> torch.Tensor:
+    def schedule(count: int | torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         c = _count(count)
-        value = torch.full_like(c, init_value, dtype=torch.float32)
+        value = torch.full_like(c, init_value, dtype=dtype)
         for boundary, factor in items:
             value = torch.where(c >= boundary, value * factor, value)
         return value
 
-    return schedule
+    return takes_dtype(schedule)
 
 
 def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Schedule:
@@ -277,14 +312,14 @@ def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> 
     if boundaries != sorted(boundaries):
         raise ValueError(f"{who}: boundaries must be increasing, got {boundaries}")
 
-    def schedule(count: int | torch.Tensor) -> torch.Tensor:
+    def schedule(count: int | torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         c = _count(count)
-        value = schedules[0](c).to(torch.float32)
+        value = evaluate(schedules[0], c, dtype)
         for boundary, later in zip(boundaries, schedules[1:]):
-            value = torch.where(c >= boundary, later(c - boundary).to(torch.float32), value)
+            value = torch.where(c >= boundary, evaluate(later, c - boundary, dtype), value)
         return value
 
-    return schedule
+    return takes_dtype(schedule)
 
 
 def one_cycle_schedule(
@@ -341,8 +376,8 @@ def one_cycle_schedule(
             return end + (start - end) / 2.0 * (torch.cos(math.pi * pct) + 1)
         return (end - start) * pct + start
 
-    def schedule(count: int | torch.Tensor) -> torch.Tensor:
-        c = _float_count(count)
+    def schedule(count: int | torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        c = _float_count(count, dtype)
         value = None
         for start, (end, low, high) in reversed(list(zip(starts, phases))):
             pct = torch.clamp((c - start) / (end - start), 0.0, 1.0)
@@ -351,4 +386,4 @@ def one_cycle_schedule(
         assert value is not None
         return value
 
-    return schedule
+    return takes_dtype(schedule)
