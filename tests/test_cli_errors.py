@@ -8,6 +8,7 @@ resumes. Eager runs only (no compile).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -190,3 +191,28 @@ def test_preempted_run_exits_128_plus_the_signal_and_resumes(project: Path, sig:
     resumed = functrain(project, *argv[:3], "epochs=3", "resume_from_checkpoint=true")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert '"step": 12' in resumed.stdout  # 3 epochs of 4 batches, finished
+
+
+def test_default_save_total_limit_keeps_the_newest_three_and_the_best(project: Path):
+    """30 epochs with save_strategy=epoch once kept 30 checkpoints; the default now keeps 3 (+ the best)."""
+    out = functrain(project, "train", "run.yaml", "epochs=6")
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps = sorted(int(re.findall(r"\d+", f)[0]) for f in os.listdir(project / "out" / "checkpoints"))
+    assert steps == [16, 20, 24]  # 4 steps per epoch
+    out = functrain(project, "train", "run.yaml", "epochs=6", "output_dir=out2", *_EVALUATED)
+    assert out.returncode == 0, out.stderr[-3000:]
+    from functrain import checkpoint  # torch: only here, the other tests run the command alone
+
+    manager = checkpoint.CheckpointManager(project / "out2" / "checkpoints", best_metric="eval/loss")
+    kept = manager.all_steps()
+    assert kept[-3:] == [16, 20, 24] and len(kept) <= 4
+    best = min(range(4, 25, 4), key=lambda s: _eval_loss(project / "out2", s))
+    assert best in kept
+
+
+_EVALUATED = ("eval_strategy=epoch", "eval_dataset=mytask:train_set")
+
+
+def _eval_loss(run: Path, step: int) -> float:
+    rows = [json.loads(line) for line in (run / "logs" / "metrics.jsonl").read_text().splitlines()]
+    return next(r["eval/loss"] for r in rows if r.get("step") == step and "eval/loss" in r)

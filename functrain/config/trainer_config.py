@@ -209,7 +209,10 @@ class TrainerConfig(ConfigSection):
         None, doc="Optimizer steps between checkpoints (save_strategy=steps).", minimum=1
     )
     save_total_limit: int | None = option(
-        None, doc="Checkpoints to keep (the best one is kept too); null keeps all.", minimum=1
+        3,
+        doc="Checkpoints to keep: the newest N; with evaluation the best by metric_for_best_model is kept "
+        "too, beyond these (load_best_model_at_end always finds it); null keeps all.",
+        minimum=1,
     )
     checkpoints_dir: str = option("checkpoints", doc="Checkpoint folder, relative to output_dir.")
     init_weights_from: str | None = option(
