@@ -44,13 +44,25 @@ class BuildError(Exception):
     original exception is the cause, whose innermost frame in the user's code the CLI names."""
 
 
+# Errors whose message says what is wrong without their type's name.
+_SELF_DESCRIBING = (CheckpointError, BuildError, FileNotFoundError, FileExistsError)
+
+
 def debug_requested(flag: bool = False) -> bool:
     """``--debug`` given, or ``FUNCTRAIN_DEBUG`` set to anything but empty/``0``."""
     return flag or os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
 def one_line(error: BaseException) -> str:
-    """The error's message on one line (a ``ConfigError``'s problems joined with ``"; "``)."""
+    """The error's message on one line: a ``ConfigError``'s problems joined with ``"; "``, and any notes
+    (``add_note``: the example, epoch and step of a data error) after the message.
+
+    Example:
+        >>> err = OSError("cannot read image 17")
+        >>> err.add_note("while loading example 17 (epoch 0, step 3)")
+        >>> one_line(err)
+        'cannot read image 17 (while loading example 17 (epoch 0, step 3))'
+    """
     problems = getattr(error, "problems", None)
     if problems:
         text = "; ".join(str(p) for p in problems)
@@ -58,6 +70,9 @@ def one_line(error: BaseException) -> str:
             text = f"{len(problems)} problems in the config: {text}"
     else:
         text = str(error) or type(error).__name__
+    notes = [str(n) for n in getattr(error, "__notes__", ())]
+    if notes:
+        text += f" ({'; '.join(notes)})"
     return " ".join(text.split())
 
 
@@ -92,7 +107,7 @@ def report(command: str, error: BaseException, status: int, *, debug: bool = Fal
         functrain eval: nope.ckpt: no such file
     """
     message = one_line(error)
-    if not (getattr(error, "problems", None) or isinstance(error, (OSError, CheckpointError, BuildError))):
+    if not (getattr(error, "problems", None) or isinstance(error, _SELF_DESCRIBING)):
         message = f"{type(error).__name__}: {message}"
     where = user_frame(error)
     if where:

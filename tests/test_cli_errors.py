@@ -57,6 +57,16 @@ def broken():
 
 def not_a_model():
     return 3
+
+
+class Unreadable(torch.utils.data.Dataset):
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        if i == 17:
+            raise OSError("cannot read image 17")
+        return torch.zeros(4), torch.tensor(0)
 """
 
 _RUN = """\
@@ -161,6 +171,16 @@ def test_objects_the_trainer_cannot_take_and_bad_checkpoints_are_one_line(projec
     (project / "bad.ckpt").write_bytes(b"not a checkpoint")
     out = functrain(project, "eval", "run.yaml", "--checkpoint", "bad.ckpt", "eval_dataset=mytask:train_set")
     assert_one_line_refusal(out, "eval", "bad.ckpt", "not a functrain checkpoint")
+
+
+def test_a_failure_while_training_is_one_line_with_status_1(project: Path):
+    out = functrain(project, "train", "run.yaml", "train_dataset=mytask:Unreadable")
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert lines[0].startswith("functrain train: OSError: cannot read image 17")
+    assert (
+        "example index 17" in lines[0] and f"{project / 'mytask.py'}:" in lines[0] and "--debug" in lines[0]
+    )
 
 
 @pytest.mark.slow
