@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -189,13 +190,30 @@ def _summary(args: argparse.Namespace) -> int:
     return 0
 
 
+# The demo's old flags, each a second name of a config field: `epochs=3` works as in every command.
+_DEMO_FLAGS = {"output_dir": "--output-dir", "epochs": "--epochs", "compile": "--no-compile"}
+
+
 def _demo(args: argparse.Namespace) -> int:
     from functrain import demo
 
-    fields: dict[str, Any] = {"compile": not args.no_compile, "overwrite_output_dir": True}
-    if args.epochs is not None:
-        fields["epochs"] = args.epochs
-    results = demo.run(args.output_dir, overrides=args.overrides, **fields)
+    given = {
+        "output_dir": args.output_dir,
+        "epochs": args.epochs,
+        "compile": False if args.no_compile else None,
+    }
+    renamed = [
+        f"{field}={'false' if value is False else value}"
+        for field, value in given.items()
+        if value is not None
+    ]
+    for override in renamed:
+        field = override.partition("=")[0]
+        message = f"{_DEMO_FLAGS[field]} is deprecated and goes in the next release; write {override}"
+        warnings.warn(message, DeprecationWarning, stacklevel=1)
+        print(f"functrain demo: {message}", file=sys.stderr)
+    overrides = [*renamed, *args.overrides]  # the KEY=VALUE ones last: they win
+    results = demo.run("runs/demo", overrides=overrides, overwrite_output_dir=True)
     return 0 if results["eval/accuracy"] > 0 else 1
 
 
@@ -273,9 +291,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="train a small CNN on scikit-learn's digits (CPU, ~1 minute)")
     demo.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    demo.add_argument("--output-dir", default="runs/demo")
-    demo.add_argument("--epochs", type=int, default=None)
-    demo.add_argument("--no-compile", action="store_true", help="run the steps eagerly")
+    demo.add_argument(
+        "--output-dir", default=None, help="deprecated: write output_dir=DIR (default runs/demo)"
+    )
+    demo.add_argument("--epochs", type=int, default=None, help="deprecated: write epochs=N")
+    demo.add_argument("--no-compile", action="store_true", help="deprecated: write compile=false")
     demo.set_defaults(func=_demo)
 
     checkpoint_cli.register(sub)

@@ -236,3 +236,25 @@ _EVALUATED = ("eval_strategy=epoch", "eval_dataset=mytask:train_set")
 def _eval_loss(run: Path, step: int) -> float:
     rows = [json.loads(line) for line in (run / "logs" / "metrics.jsonl").read_text().splitlines()]
     return next(r["eval/loss"] for r in rows if r.get("step") == step and "eval/loss" in r)
+
+
+def test_demo_flags_are_deprecated_names_of_config_overrides(monkeypatch, capsys):
+    from functrain import demo
+    from functrain.cli import main
+
+    seen = {}
+
+    def run(output_dir, *, overrides, **fields):
+        seen.update(output_dir=output_dir, overrides=overrides, fields=fields)
+        return {"eval/accuracy": 1.0}
+
+    monkeypatch.setattr(demo, "run", run)
+    with pytest.warns(DeprecationWarning, match="--epochs is deprecated"):
+        assert main(["demo", "--epochs", "2", "--no-compile", "--output-dir", "My Runs/d", "seed=1"]) == 0
+    assert seen["overrides"] == ["output_dir=My Runs/d", "epochs=2", "compile=false", "seed=1"]
+    err = capsys.readouterr().err
+    assert (
+        "functrain demo: --no-compile is deprecated and goes in the next release; write compile=false" in err
+    )
+    assert main(["demo", "epochs=2"]) == 0 and seen["overrides"] == ["epochs=2"]
+    assert capsys.readouterr().err == ""
