@@ -258,3 +258,23 @@ def test_demo_flags_are_deprecated_names_of_config_overrides(monkeypatch, capsys
     )
     assert main(["demo", "epochs=2"]) == 0 and seen["overrides"] == ["epochs=2"]
     assert capsys.readouterr().err == ""
+
+
+def test_config_reading_with_imports_deferred_imports_no_torch(project: Path):
+    """What the command reads before its slow imports: the whole config validated, torch not imported."""
+    probe = (
+        "import sys\n"
+        "from functrain.config import ConfigError, TrainerConfig\n"
+        "from functrain.config.imports import deferred_imports\n"
+        "with deferred_imports():\n"
+        "    config = TrainerConfig.from_yaml('run.yaml').with_overrides(['loss=MSELoss', 'test_dataset=m:t'])\n"
+        "    try:\n"
+        "        TrainerConfig.from_yaml('run.yaml').with_overrides(['epochs=0'])\n"
+        "    except ConfigError as err:\n"
+        "        print('REFUSED', err.paths)\n"
+        "print('TORCH', 'torch' in sys.modules, config.test_dataset)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=project, capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "REFUSED ['epochs']" in out.stdout and "TORCH False m:t" in out.stdout
