@@ -25,8 +25,12 @@ import contextlib
 import json
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
+
+from functrain.cli_checks import preflight
+from functrain.cli_errors import BuildError, debug_requested, report
 
 __all__ = ["main"]
 
@@ -36,6 +40,13 @@ with no arguments) or {target: 'module:attr', args: [...], kwargs: {...}}. Modul
 the config file's directory, then the current directory, then the installed packages and PYTHONPATH:
   model: mytask:Net                 # mytask.py beside run.yaml
   train_dataset: mytask:train_set   # a function returning the dataset"""
+
+_DEBUG_HELP = "print the traceback of an error too (or set FUNCTRAIN_DEBUG=1)"
+_EXIT_HELP = """\
+exit status: 0 done; 2 a user error (config, override, missing file, checkpoint, an error building the
+model or data), one line on stderr naming the fix; 1 any other failure; 143 (SIGTERM) or 130 (SIGINT):
+training was preempted, its checkpoint saved: resume with resume_from_checkpoint=true; 141 stdout
+closed. --debug (or FUNCTRAIN_DEBUG=1) adds the traceback to an error."""
 
 
 def _build_trainer(config_path: str, overrides: Sequence[str]) -> Any:
@@ -54,10 +65,6 @@ def _build_trainer(config_path: str, overrides: Sequence[str]) -> Any:
         cfg = cfg.with_overrides(list(overrides))
     if cfg.model is None:
         raise ConfigError.single("model", "the config names no model", "set model: package.module:ModelClass")
-    if cfg.train_dataset is None and cfg.eval_dataset is None:
-        raise ConfigError.single(
-            "train_dataset", "the config names no dataset", "set train_dataset: package.module:load_train"
-        )
 
     def build(spec: Any, path: str) -> Any:
         return None if spec is None else build_object(spec, path=path)
@@ -65,14 +72,19 @@ def _build_trainer(config_path: str, overrides: Sequence[str]) -> Any:
     import torch
 
     torch.manual_seed(cfg.seed)
-    model = build(cfg.model, "model")
-    trainer = Trainer(
-        model,
-        cfg,
-        train_dataset=build(cfg.train_dataset, "train_dataset"),
-        eval_dataset=build(cfg.eval_dataset, "eval_dataset"),
-    )
-    trainer.test_dataset = build(cfg.test_dataset, "test_dataset")
+    try:
+        model = build(cfg.model, "model")
+        trainer = Trainer(
+            model,
+            cfg,
+            train_dataset=build(cfg.train_dataset, "train_dataset"),
+            eval_dataset=build(cfg.eval_dataset, "eval_dataset"),
+        )
+        trainer.test_dataset = build(cfg.test_dataset, "test_dataset")
+    except ConfigError:
+        raise
+    except Exception as exc:  # the user's model or data code, or objects the Trainer cannot take
+        raise BuildError(f"building the run's model and datasets raised {type(exc).__name__}: {exc}") from exc
     return trainer
 
 
@@ -85,6 +97,18 @@ def _latest_checkpoint(trainer: Any) -> str:
     return manager.path(step)
 
 
+def _preempted_status(stop_reason: str) -> int:
+    """128 + the signal's number (143 for SIGTERM, 130 for SIGINT), as a shell reports a signalled
+    process: a scheduler tells a preempted (resumable) run from a finished one."""
+    import signal
+
+    name = stop_reason.rpartition(" ")[2]
+    try:
+        return 128 + int(signal.Signals[name])
+    except KeyError:
+        return 128 + int(signal.SIGTERM)
+
+
 def _train(args: argparse.Namespace) -> int:
     if args.help_config:
         from functrain.config import config_help
@@ -94,49 +118,60 @@ def _train(args: argparse.Namespace) -> int:
     if args.config is None:
         print("functrain train: give a CONFIG.yaml (or --help-config)", file=sys.stderr)
         return 2
+    overrides = [*args.overrides, *(f"sweep.{s}" for s in args.sweep)]
+    preflight("train", args.config, overrides)  # before torch and the user's code are imported
     from functrain import distributed, ensemble
 
     with distributed.initialize():  # torchrun: one process per device; plain python: a no-op
-        trainer = _build_trainer(args.config, [*args.overrides, *(f"sweep.{s}" for s in args.sweep)])
+        trainer = _build_trainer(args.config, overrides)
         result = trainer.train(
             additional_epochs=args.additional_epochs, additional_steps=args.additional_steps
         )
         summary = dict(result.eval_metrics or {})
-        if getattr(trainer, "test_dataset", None) is not None:
+        if getattr(trainer, "test_dataset", None) is not None and not result.preempted:
             summary.update(
                 {k.replace("eval/", "test/"): v for k, v in trainer.evaluate(trainer.test_dataset).items()}
             )
+        step = ensemble.run_step(result.state)
         if distributed.is_main_process():
-            step = ensemble.run_step(result.state)
             if trainer.config.sweep:
                 best = trainer.sweep_best
                 summary = {"best_member": best, **trainer.sweep_members[best], **summary}
             print(json.dumps({"step": step, **summary, "stop_reason": result.stop_reason}))
+    if result.preempted:
+        status = _preempted_status(result.stop_reason)
+        print(
+            f"functrain train: {result.stop_reason} at step {step}, checkpoint saved (exit status {status}); "
+            f"continue with: functrain train {args.config} resume_from_checkpoint=true",
+            file=sys.stderr,
+        )
+        return status
     return 0
 
 
-def _eval(args: argparse.Namespace) -> int:
-    trainer = _build_trainer(args.config, args.overrides)
-    trainer.load(args.checkpoint or _latest_checkpoint(trainer))
-    dataset = trainer.test_dataset if args.split == "test" else trainer.eval_dataset
-    if dataset is None:
-        print(f"functrain eval: the config has no {args.split}_dataset", file=sys.stderr)
-        return 2
-    print(json.dumps(trainer.evaluate(dataset)))
-    return 0
-
-
-def _predict(args: argparse.Namespace) -> int:
-    from functrain import checkpoint, ensemble, tree
-
+def _trained(args: argparse.Namespace) -> tuple[Any, Any]:
+    """eval/predict: the checks, then the Trainer with the checkpoint loaded, and the ``--split`` dataset."""
+    preflight(args.command, args.config, args.overrides, split=args.split, checkpoint=args.checkpoint)
     trainer = _build_trainer(args.config, args.overrides)
     trainer.load(args.checkpoint or _latest_checkpoint(trainer))
     dataset = {"test": trainer.test_dataset, "eval": trainer.eval_dataset, "train": trainer.train_dataset}[
         args.split
     ]
-    if dataset is None:
-        print(f"functrain predict: the config has no {args.split}_dataset", file=sys.stderr)
-        return 2
+    if dataset is None:  # named in the config, but its spec built None
+        raise BuildError(f"{args.split}_dataset built None; its spec must return a dataset")
+    return trainer, dataset
+
+
+def _eval(args: argparse.Namespace) -> int:
+    trainer, dataset = _trained(args)
+    print(json.dumps(trainer.evaluate(dataset)))
+    return 0
+
+
+def _predict(args: argparse.Namespace) -> int:
+    trainer, dataset = _trained(args)
+    from functrain import checkpoint, ensemble, tree
+
     preds = trainer.predict(dataset)
     checkpoint.save(args.output, {"preds": preds}, step=ensemble.run_step(trainer.state))
     print(
@@ -147,6 +182,7 @@ def _predict(args: argparse.Namespace) -> int:
 
 
 def _summary(args: argparse.Namespace) -> int:
+    preflight("summary", args.config, args.overrides)
     from functrain.model_summary import summary
 
     trainer = _build_trainer(args.config, args.overrides)
@@ -154,13 +190,30 @@ def _summary(args: argparse.Namespace) -> int:
     return 0
 
 
+# The demo's old flags, each a second name of a config field: `epochs=3` works as in every command.
+_DEMO_FLAGS = {"output_dir": "--output-dir", "epochs": "--epochs", "compile": "--no-compile"}
+
+
 def _demo(args: argparse.Namespace) -> int:
     from functrain import demo
 
-    fields: dict[str, Any] = {"compile": not args.no_compile, "overwrite_output_dir": True}
-    if args.epochs is not None:
-        fields["epochs"] = args.epochs
-    results = demo.run(args.output_dir, overrides=args.overrides, **fields)
+    given = {
+        "output_dir": args.output_dir,
+        "epochs": args.epochs,
+        "compile": False if args.no_compile else None,
+    }
+    renamed = [
+        f"{field}={'false' if value is False else value}"
+        for field, value in given.items()
+        if value is not None
+    ]
+    for override in renamed:
+        field = override.partition("=")[0]
+        message = f"{_DEMO_FLAGS[field]} is deprecated and goes in the next release; write {override}"
+        warnings.warn(message, DeprecationWarning, stacklevel=1)
+        print(f"functrain demo: {message}", file=sys.stderr)
+    overrides = [*renamed, *args.overrides]  # the KEY=VALUE ones last: they win
+    results = demo.run("runs/demo", overrides=overrides, overwrite_output_dir=True)
     return 0 if results["eval/accuracy"] > 0 else 1
 
 
@@ -172,15 +225,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="functrain",
         description="functional, JAX-style training for PyTorch",
-        epilog=_SPECS_HELP,
+        epilog=f"{_SPECS_HELP}\n\n{_EXIT_HELP}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser(
         "train",
         help="train from a YAML config (key=value overrides allowed)",
-        epilog=_SPECS_HELP,
+        epilog=f"{_SPECS_HELP}\n\n{_EXIT_HELP}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("config", nargs="?", metavar="CONFIG.yaml")
@@ -237,34 +291,59 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="train a small CNN on scikit-learn's digits (CPU, ~1 minute)")
     demo.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    demo.add_argument("--output-dir", default="runs/demo")
-    demo.add_argument("--epochs", type=int, default=None)
-    demo.add_argument("--no-compile", action="store_true", help="run the steps eagerly")
+    demo.add_argument(
+        "--output-dir", default=None, help="deprecated: write output_dir=DIR (default runs/demo)"
+    )
+    demo.add_argument("--epochs", type=int, default=None, help="deprecated: write epochs=N")
+    demo.add_argument("--no-compile", action="store_true", help="deprecated: write compile=false")
     demo.set_defaults(func=_demo)
 
     checkpoint_cli.register(sub)
     logging_cli.register(sub)
+    for (
+        command
+    ) in sub.choices.values():  # `functrain train run.yaml --debug` as well as `functrain --debug ...`
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``functrain`` command with ``argv`` (default: ``sys.argv[1:]``); returns the exit status.
 
-    Configuration mistakes print the error (every problem, with its field and fix) and return 2.
+    A user error (config, override, missing file, checkpoint, an exception while building the user's
+    model or data) prints one line, ``functrain COMMAND: what is wrong. Fix: ...``, and returns 2; any
+    other failure one line and 1 (``--debug`` or ``FUNCTRAIN_DEBUG=1``: the traceback too). A training
+    run preempted by SIGTERM/SIGINT (checkpoint saved, resumable) returns 143/130 (128 + the signal).
     """
+    from functrain.checkpoint.errors import CheckpointError
     from functrain.config.errors import ConfigError  # light: `functrain --help` imports no torch
 
+    args = _parse(build_parser(), argv)  # a bad command line: argparse's usage and status 2
+    debug = debug_requested(args.debug)
     try:
-        args = build_parser().parse_args(argv)
-        try:
-            status = int(args.func(args) or 0)
-        except (ConfigError, FileExistsError, FileNotFoundError) as err:
-            print(f"functrain {args.command}: {err}", file=sys.stderr)
-            return 2
+        status = int(args.func(args) or 0)
         sys.stdout.flush()  # a short output meets a closed pipe only here
         return status
     except BrokenPipeError:
         return _stdout_closed()
+    except KeyboardInterrupt:
+        print(f"functrain {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except (ConfigError, CheckpointError, BuildError, FileExistsError, FileNotFoundError) as err:
+        return report(args.command, err, 2, debug=debug)
+    except Exception as err:
+        return report(args.command, err, 1, debug=debug)
+
+
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse ``argv``; KEY=VALUE overrides may also follow the options (``predict run.yaml --output p.ckpt
+    test_dataset=mytask:val_set``), where argparse alone would refuse them."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not (hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra)):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
+    return args
 
 
 def _stdout_closed() -> int:

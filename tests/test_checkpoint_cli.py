@@ -49,10 +49,12 @@ def test_export_writes_loadable_files(tmp_path, capsys):
     assert "wrote 2 tensors" in capsys.readouterr().out
 
 
-def test_bad_checkpoint_is_an_error_message_and_status_1(tmp_path, capsys):
+def test_bad_checkpoint_is_a_one_line_error_and_status_2(tmp_path, capsys):
     (tmp_path / "bad.ckpt").write_bytes(b"nonsense")
-    assert _run("inspect", str(tmp_path / "bad.ckpt")) == 1
-    assert "not a functrain checkpoint" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path / "bad.ckpt")]) == 2  # a user error, as for every command
+    err = capsys.readouterr().err
+    assert err.startswith("functrain inspect: ") and "not a functrain checkpoint" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_inspect_into_a_closed_pipe_exits_quietly(tmp_path):

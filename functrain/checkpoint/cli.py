@@ -17,7 +17,6 @@ import json
 import sys
 from typing import Any
 
-from functrain.checkpoint.errors import CheckpointError
 from functrain.checkpoint.memory import human_size
 
 __all__ = ["register"]
@@ -55,22 +54,11 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _guarded(command: Any) -> Any:
-    def run(args: argparse.Namespace) -> int:
-        try:
-            return command(args)
-        except CheckpointError as error:
-            print(f"error: {error}", file=sys.stderr)
-            return 1
-
-    return run
-
-
 def register(subparsers: Any) -> None:
     """Add the ``inspect`` and ``export`` sub-commands to an argparse ``subparsers`` object.
 
-    Each sets ``func``: call ``args.func(args)``, which returns the exit status (1 with a message on
-    stderr for a bad checkpoint).
+    Each sets ``func``: call ``args.func(args)``, which returns the exit status; a bad checkpoint raises
+    ``CheckpointError``, which ``functrain``'s main reports on one line with status 2.
 
     Example:
         >>> parser = argparse.ArgumentParser()
@@ -82,11 +70,11 @@ def register(subparsers: Any) -> None:
         "inspect", help="print a checkpoint's step, versions and tensors (header only)"
     )
     inspect.add_argument("checkpoint", metavar="CKPT", help="a functrain checkpoint file")
-    inspect.set_defaults(func=_guarded(_inspect))
+    inspect.set_defaults(func=_inspect)
     export_parser = subparsers.add_parser(
         "export", help="write a checkpoint's weights as safetensors or a .pt file"
     )
     export_parser.add_argument("checkpoint", metavar="CKPT", help="a functrain checkpoint file")
     export_parser.add_argument("--format", choices=("safetensors", "pt"), required=True)
     export_parser.add_argument("--output", metavar="PATH", required=True, help="the file to write")
-    export_parser.set_defaults(func=_guarded(_export))
+    export_parser.set_defaults(func=_export)

@@ -27,12 +27,14 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib
 import inspect
 import os
 import pkgutil
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from functrain.config.errors import ConfigError, Problem, suggestion
@@ -42,6 +44,8 @@ __all__ = [
     "add_import_dirs",
     "build_object",
     "check_import_spec",
+    "deferred_imports",
+    "imports_deferred",
     "normalize_import_spec",
     "resolve_object",
 ]
@@ -51,6 +55,31 @@ ImportSpec = str | dict[str, Any]
 _SPEC_KEYS = ("target", "args", "kwargs")
 _FORM = "write 'package.module:attr' or {target: 'package.module:attr', args: [...], kwargs: {...}}"
 _ADDED_DIRS: list[tuple[str, str]] = []  # (what, directory) put on sys.path by add_import_dirs
+_DEFERRED: contextvars.ContextVar[bool] = contextvars.ContextVar("functrain_imports_deferred", default=False)
+
+
+@contextlib.contextmanager
+def deferred_imports() -> Iterator[None]:
+    """Within the block, validating a config checks import specs' form only and imports nothing (no
+    user module, no torch): what the ``functrain`` command checks before its slow imports. The imports
+    are checked when the config is validated again, or the objects built, outside the block.
+
+    Example:
+        >>> from functrain.config import TrainerConfig
+        >>> with deferred_imports():
+        ...     TrainerConfig(epochs=1, model="not_installed_yet:Net").model
+        'not_installed_yet:Net'
+    """
+    token = _DEFERRED.set(True)
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
+
+
+def imports_deferred() -> bool:
+    """Whether validation runs inside :func:`deferred_imports` (import nothing, check forms only)."""
+    return _DEFERRED.get()
 
 
 def add_import_dirs(dirs: dict[str, str | os.PathLike[str]]) -> None:
@@ -171,7 +200,7 @@ def resolve_object(spec: ImportSpec, *, path: str = "spec") -> Any:
         raise ConfigError.single(
             path,
             f"calling {spec['target']!r} with args={args!r} kwargs={kwargs!r} raised {type(exc).__name__}: {exc}",
-            "fix the arguments in the spec (or the code it calls); the original traceback is chained below",
+            "fix the arguments in the spec (or the code it calls); the original traceback is chained to this error",
         ) from exc
 
 
@@ -199,7 +228,7 @@ def build_object(spec: ImportSpec, *, path: str = "spec") -> Any:
             f"{spec!r} names a {'class' if inspect.isclass(obj) else 'function'}, called with no arguments, "
             f"which raised {type(exc).__name__}: {exc}",
             f"give its arguments: {path}: {{target: {spec!r}, args: [...], kwargs: {{...}}}}; the original "
-            "traceback is chained below",
+            "traceback is chained to this error",
         ) from exc
 
 

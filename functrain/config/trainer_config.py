@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from functrain.config.coerce import plain_data
 from functrain.config.errors import ConfigError, Problem, suggestion
-from functrain.config.imports import ImportSpec, check_import_spec, normalize_import_spec
+from functrain.config.imports import ImportSpec, check_import_spec, imports_deferred, normalize_import_spec
 from functrain.config.names import metric_mode
 from functrain.config.overrides import apply_well_formed_overrides
 from functrain.config.section import ConfigSection, config_section, option, rule
@@ -113,7 +113,8 @@ def _normalize_spec(value: Any, path: str) -> Any:
     if value is None:
         return None
     spec = normalize_import_spec(value, path)
-    check_import_spec(spec, path)
+    if not imports_deferred():
+        check_import_spec(spec, path)
     return spec
 
 
@@ -208,7 +209,10 @@ class TrainerConfig(ConfigSection):
         None, doc="Optimizer steps between checkpoints (save_strategy=steps).", minimum=1
     )
     save_total_limit: int | None = option(
-        None, doc="Checkpoints to keep (the best one is kept too); null keeps all.", minimum=1
+        3,
+        doc="Checkpoints to keep: the newest N; with evaluation the best by metric_for_best_model is kept "
+        "too, beyond these (load_best_model_at_end always finds it); null keeps all.",
+        minimum=1,
     )
     checkpoints_dir: str = option("checkpoints", doc="Checkpoint folder, relative to output_dir.")
     init_weights_from: str | None = option(

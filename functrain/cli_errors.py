@@ -1,0 +1,120 @@
+"""How the ``functrain`` command reports an error: one line on stderr and an exit status, no traceback.
+
+- 2: a user error: the config (:class:`~functrain.config.ConfigError`), a checkpoint
+  (``CheckpointError``), a missing file, a bad override, or an exception raised while building the
+  user's objects (their model or dataset code: the line names the user's own frame, ``file:line``);
+- 1: anything else that failed while the command ran (the line names the innermost frame outside
+  functrain and torch where there is one);
+- 130: interrupted (Ctrl-C) outside training.
+
+``--debug`` (any sub-command) or ``FUNCTRAIN_DEBUG=1`` prints the full traceback as well.
+
+Example:
+    >>> one_line(ValueError("bad\\nthing"))
+    'bad thing'
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+import traceback
+from pathlib import Path
+
+from functrain.checkpoint.errors import CheckpointError
+
+__all__ = ["DEBUG_ENV", "BuildError", "debug_requested", "one_line", "report", "user_frame"]
+
+DEBUG_ENV = "FUNCTRAIN_DEBUG"
+_FUNCTRAIN = str(Path(__file__).resolve().parent)
+_NOT_USER = tuple(
+    p
+    for p in {
+        _FUNCTRAIN,
+        sysconfig.get_paths().get("stdlib", ""),
+        sysconfig.get_paths().get("platstdlib", ""),
+    }
+    if p
+)
+
+
+class BuildError(Exception):
+    """Building the run's objects (the user's model or datasets, the Trainer around them) failed; the
+    original exception is the cause, whose innermost frame in the user's code the CLI names."""
+
+
+# Errors whose message says what is wrong without their type's name.
+_SELF_DESCRIBING = (CheckpointError, BuildError, FileNotFoundError, FileExistsError)
+
+
+def debug_requested(flag: bool = False) -> bool:
+    """``--debug`` given, or ``FUNCTRAIN_DEBUG`` set to anything but empty/``0``."""
+    return flag or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def one_line(error: BaseException) -> str:
+    """The error's message on one line: a ``ConfigError``'s problems joined with ``"; "``, and any notes
+    (``add_note``: the example, epoch and step of a data error) after the message.
+
+    Example:
+        >>> err = OSError("cannot read image 17")
+        >>> err.add_note("while loading example 17 (epoch 0, step 3)")
+        >>> one_line(err)
+        'cannot read image 17 (while loading example 17 (epoch 0, step 3))'
+    """
+    problems = getattr(error, "problems", None)
+    if problems:
+        text = "; ".join(str(p) for p in problems)
+        if len(problems) > 1:
+            text = f"{len(problems)} problems in the config: {text}"
+    else:
+        text = str(error) or type(error).__name__
+    notes = [str(n) for n in getattr(error, "__notes__", ())]
+    if notes:
+        text += f" ({'; '.join(notes)})"
+    return " ".join(text.split())
+
+
+def user_frame(error: BaseException) -> str | None:
+    """``file:line`` of the innermost frame of the user's code in ``error`` (or what caused it), or None.
+
+    The user's code is any file outside functrain, torch and the standard library.
+    """
+    for exc in (error.__cause__, error):  # build errors chain the user's exception as the cause
+        if exc is None:
+            continue
+        frames = [
+            f
+            for f in traceback.extract_tb(exc.__traceback__)
+            if not _outside_user_code(os.path.abspath(f.filename))
+        ]
+        if frames:
+            return f"{frames[-1].filename}:{frames[-1].lineno}"
+    return None
+
+
+def _outside_user_code(filename: str) -> bool:
+    return filename.startswith(_NOT_USER) or filename.startswith("<") or "torch" in Path(filename).parts
+
+
+def report(command: str, error: BaseException, status: int, *, debug: bool = False) -> int:
+    """Print ``functrain COMMAND: MESSAGE`` on one line, with the user's frame ``(at file:line)`` where
+    the error came from their code, and the traceback before it when ``debug``; returns ``status``.
+
+    Example:
+        >>> report("eval", FileNotFoundError("nope.ckpt: no such file"), 2)  # doctest: +SKIP
+        functrain eval: nope.ckpt: no such file
+    """
+    message = one_line(error)
+    if not (getattr(error, "problems", None) or isinstance(error, _SELF_DESCRIBING)):
+        message = f"{type(error).__name__}: {message}"
+    where = user_frame(error)
+    if where:
+        message += f" (at {where})"
+    if not debug and (status == 1 or error.__cause__ is not None):
+        message += f"; pass --debug (or set {DEBUG_ENV}=1) for the traceback"
+    if debug:
+        traceback.print_exception(error, file=sys.stderr)
+    print(f"functrain {command}: {message}", file=sys.stderr)
+    return status
