@@ -6,7 +6,7 @@ call:
 
     ft-cold         functrain.jit(make_train_step(...)) (forward, backward and AdamW in one graph) on
                     a machine where functrain has run before: an empty inductor cache, but functrain's
-                    per-user cache (FUNCTRAIN_CACHE_DIR: the vector-ISA verdict, functrain._isa_probe)
+                    per-user cache (FUNCTRAIN_CACHE_DIR: the vector-ISA verdict, functrain.compile.isa_probe)
                     filled by an earlier process
     ft-first        ft-cold with functrain's per-user cache empty as well: the first compile ever
     ft-warm         the same again in a new process with the cache directory ft-cold filled
@@ -309,10 +309,10 @@ def compile_children(
 
 def _fill_user_cache(directory: str) -> None:
     """functrain's per-user cache as an earlier process on this machine leaves it (a checkout without
-    ``functrain._isa_probe.cache_root`` keeps its verdict elsewhere and ignores it)."""
+    ``functrain.compile.isa_probe.cache_root`` keeps its verdict elsewhere and ignores it)."""
     os.environ["FUNCTRAIN_CACHE_DIR"] = directory
     try:
-        from functrain._isa_probe import vec_isa_verified
+        from functrain.compile.isa_probe import vec_isa_verified
     except ImportError:
         return
     vec_isa_verified()
@@ -357,7 +357,7 @@ def overhead(repeats: int, calls: int, depth: int = 16) -> dict[str, tuple[float
     raw(state, batch)
     graph, inputs = graphs[-1]
     ft_call = common.ft_step_fn(model, F.mse_loss, batch, tx=ft.optim.adam(1e-3))
-    # The same step with functrain.cache_hits off: every call through dynamo's frame evaluation.
+    # The same step with functrain.compile.cache_hits off: every call through dynamo's frame evaluation.
     through_dynamo = common.ft_step_fn(model, F.mse_loss, batch, tx=ft.optim.adam(1e-3))
     through_dynamo.compiled._cache_hits.enabled = False  # type: ignore[attr-defined]
     fns = {"ft step": ft_call, "ft step, direct calls off": through_dynamo}

@@ -21,8 +21,6 @@ from typing import TYPE_CHECKING
 
 from functrain import _lazy
 
-__version__ = "0.1.0"
-
 _SUBMODULES = (
     "averaging",
     "callbacks",
@@ -52,6 +50,7 @@ _LAZY: dict[str, str] = {
     ),
     **dict.fromkeys(("ImageClassificationTrainer", "SegmentationTrainer"), "functrain.tasks"),
     "Trainer": "functrain.trainer",
+    "__version__": "functrain._version",  # from the package metadata (importlib.metadata), on first use
 }
 
 __all__ = [
@@ -109,6 +108,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
         random,
         tree,
     )
+    from functrain._version import __version__
     from functrain.config import ConfigError, TrainerConfig
     from functrain.jit import CompiledStep, DonatedStateError, GraphBreakError, RecompileError, jit
     from functrain.loop import FitResult, RunFinishedWarning, evaluate, fit, predict

@@ -33,7 +33,6 @@ class _Flags:
         # Instance attributes from the start: dynamo guards on the instance's __dict__, and a first
         # assignment that shadowed a class attribute would change it (one recompile).
         self.per_tensor = False  # the ops below run per tensor (inside functrain.ensemble's vmap)
-        self.donated = False  # the step's incoming state is donated (jit(..., donate=True))
         self.in_place = False  # the optimizer may write new params and moments into the old tensors
 
 

@@ -337,6 +337,8 @@ def make_train_step(
         ``train_step``; ``metrics`` holds ``loss`` (example-weighted over micro-batches),
         ``grad_norm`` (before clipping), the loss function's extra metrics and, with fp16,
         ``loss_scale``.
+        ``train_step(state, batch, *, donated=False)``: ``donated=True`` (what ``jit(..., donate=True)``
+        passes) lets the optimizer write into the incoming state's tensors.
 
     Example:
         >>> step = make_train_step(model, supervised_loss(torch.nn.functional.cross_entropy), accumulate=2)
@@ -369,7 +371,7 @@ def make_train_step(
         with torch.no_grad(), _autocast(_device_of(state.params), cast), _checkpoint_routing(model):
             loss_fn(bind(state.params, buffers), first)
 
-    def train_step(state: Any, batch: Batch) -> tuple[Any, dict[str, torch.Tensor]]:
+    def train_step(state: Any, batch: Batch, *, donated: bool = False) -> tuple[Any, dict[str, torch.Tensor]]:
         _check_state_matches(state, expected)
         if cast == torch.float16 and state.loss_scale is None:
             raise ValueError(
@@ -410,9 +412,10 @@ def make_train_step(
             grads = tree.map(lambda x: x / scale, grads)
             finite = all_finite(grads)
             loss_scale = loss_scale.adjust(finite)
-        # A donated state is overwritten anyway: unless an overflow may need the old values below, the
-        # optimizer can write into its tensors (Adam's fused kernel does; others return new tensors).
-        with foreach.flag("in_place", foreach.FLAGS.donated and finite is None):
+        # A donated state (``jit(..., donate=True)`` passes donated=True) is overwritten anyway: unless an
+        # overflow may need the old values below, the optimizer can write into its tensors (Adam's fused
+        # kernel does; others return new tensors).
+        with foreach.flag("in_place", donated and finite is None):
             params, opt_state = apply_gradients(state.tx, grads, state.opt_state, state.params)
         if finite is not None:
             # An overflow skips the whole update: params and optimizer state stay as they were.

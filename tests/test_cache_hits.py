@@ -1,4 +1,4 @@
-"""Direct calls of a compiled step's graph (functrain.cache_hits) and the library-guard filter of `jit`:
+"""Direct calls of a compiled step's graph (functrain.compile.cache_hits) and the library-guard filter of `jit`:
 the direct path is taken, and everything dynamo would recompile for still recompiles."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from models import SmallCNN, classification_batch, mlp
 
 import functrain as ft
 from functrain import tree
-from functrain.jit import _skip_library_guards
+from functrain.compile.guards import skip_library_guards as _skip_library_guards
 
 SCALE = 2.0  # a user global read by a step: changing it must recompile
 
@@ -34,7 +34,7 @@ def test_library_guard_filter_keeps_user_and_nn_module_globals():
         "G['__import_torch_dot__functorch_dot_eager_transforms'].grad_and_value_impl",
         "G['__import_torch_dot_utils_dot__pytree'].SUPPORTED_NODES",
         "G['__import_torch_dot_nn_dot_utils_dot_stateless']._reparametrize_module",
-        "G['torch_pytree'].tree_flatten",  # a global of functrain.jit, where dynamo starts
+        "G['torch_pytree'].tree_flatten",  # a global of functrain.compile.wrappers, where dynamo starts
         "G['_replaces'].__code__",
     ]
     kept = [

@@ -17,7 +17,8 @@ import types
 import pytest
 import torch
 
-from functrain.checkpoint import CheckpointError, CheckpointManager, atomic
+from functrain import _atomic as atomic
+from functrain.checkpoint import CheckpointError, CheckpointManager
 
 
 def _save_steps(manager, losses):

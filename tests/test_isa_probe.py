@@ -1,4 +1,4 @@
-"""functrain._isa_probe: inductor's vector-ISA check runs once per environment, not once per process or
+"""functrain.compile.isa_probe: inductor's vector-ISA check runs once per environment, not once per process or
 per inductor cache directory."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ import platform
 import pytest
 import torch
 
-from functrain import _isa_probe
+from functrain.compile import isa_probe as _isa_probe
 
 jit_module = importlib.import_module("functrain.jit")  # the module, not the function functrain exports
+backend_module = importlib.import_module("functrain.compile.backend")  # where jit's inductor options are made
 
 pytestmark = pytest.mark.skipif(
     platform.machine() != "x86_64", reason="inductor's x86 ISA check (other CPUs keep inductor's own)"
@@ -158,8 +159,8 @@ def _cpu_patches(monkeypatch, options=None):
 
 
 def test_jit_skips_inductors_check_on_cpu_only_once_verified_and_options_win(monkeypatch):
-    monkeypatch.setattr(jit_module, "vec_isa_verified", lambda: True)
+    monkeypatch.setattr(backend_module, "vec_isa_verified", lambda: True)
     assert _cpu_patches(monkeypatch)["cpp.vec_isa_ok"] is True
     assert _cpu_patches(monkeypatch, {"cpp.vec_isa_ok": False})["cpp.vec_isa_ok"] is False
-    monkeypatch.setattr(jit_module, "vec_isa_verified", lambda: False)
+    monkeypatch.setattr(backend_module, "vec_isa_verified", lambda: False)
     assert "cpp.vec_isa_ok" not in _cpu_patches(monkeypatch)

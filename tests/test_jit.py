@@ -278,7 +278,7 @@ def test_cache_dir_makes_a_fresh_inductor_cache_start_warm(tmp_path, monkeypatch
     assert files == ["train_step" + jit_module.CACHE_SUFFIX]
     # As a new process on another machine: dynamo's and the local caches are empty, the file is not.
     torch._dynamo.reset()
-    monkeypatch.setattr(jit_module, "_loaded_cache_files", set())
+    monkeypatch.setattr(importlib.import_module("functrain.compile.cache"), "_loaded_cache_files", set())
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-b"))
     fx_hits = counters["inductor"]["fxgraph_cache_hit"]
     aot_hits = counters["aot_autograd"]["autograd_cache_hit"]

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import functrain as ft
-from functrain import _compile_times
 from functrain.callbacks import ProgressBar
+from functrain.compile import compile_times as _compile_times
 
 ANNOUNCE = "compiling doubled: first call"
 

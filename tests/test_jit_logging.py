@@ -1,4 +1,4 @@
-"""Logger calls inside a model do not break the compiled step's one graph (functrain.quiet_logging)."""
+"""Logger calls inside a model do not break the compiled step's one graph (functrain.compile.quiet_logging)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import functrain as ft
-from functrain.quiet_logging import ignored_logging, logging_methods
+from functrain.compile.quiet_logging import ignored_logging, logging_methods
 
 logger = logging.getLogger("tests.chatty_model")
 

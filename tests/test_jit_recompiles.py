@@ -14,7 +14,7 @@ from models import classification_batch, mlp
 
 import functrain as ft
 from functrain import tree
-from functrain.jit import _skip_library_guards
+from functrain.compile.guards import skip_library_guards as _skip_library_guards
 
 
 def _entry(name: str, is_global: bool = True) -> types.SimpleNamespace:

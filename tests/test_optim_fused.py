@@ -279,3 +279,25 @@ def test_donated_fp16_step_keeps_the_old_state_for_an_overflow(
         tree.leaves((after.params, after.opt_state)), tree.leaves((before.params, before.opt_state))
     ):
         assert torch.equal(ours, reference)
+
+
+def test_donation_is_an_argument_given_only_to_a_step_that_declares_it(
+    kernel_calls: list[int], in_place_calls: list[int]
+) -> None:
+    """jit(donate=True) passes ``donated=True`` to a step with that keyword (make_train_step's); a wrapper
+    without it (skip_nonfinite, which needs the incoming tensors) runs the inner step undonated."""
+    from models import classification_batch, mlp
+
+    import functrain as ft
+
+    model = mlp()
+    step = ft.make_train_step(model, ft.supervised_loss(torch.nn.functional.cross_entropy))
+    state = ft.TrainState.create(model, optim.adamw(1e-2))
+    ft.jit(ft.callbacks.skip_nonfinite(step), compile=False, donate=True)(state, classification_batch())
+    assert (len(kernel_calls), len(in_place_calls)) == (1, 0)
+
+    def telling(state, batch, *, donated: bool = False):  # type: ignore[no-untyped-def]
+        return step(state, batch, donated=donated)
+
+    ft.jit(telling, compile=False, donate=True)(state, classification_batch())
+    assert (len(kernel_calls), len(in_place_calls)) == (1, 1)

@@ -150,7 +150,7 @@ def test_compiled_step_trains_rnn_like_eager_torch(cls: type[nn.RNNBase]) -> Non
 
 
 def test_eager_steps_keep_torch_kernel() -> None:
-    from functrain.traceable import traceable
+    from functrain.compile.traceable import traceable
 
     model = SequenceClassifier()
     with traceable(model, compiled=False):

@@ -19,6 +19,7 @@ from functrain.jit import TORCH_WORKAROUNDS, torch_version
 
 # The module, not the function `functrain.jit` that the package exports under the same name.
 jit_module = importlib.import_module("functrain.jit")
+backend_module = importlib.import_module("functrain.compile.backend")  # where jit's inductor options are made
 
 
 def declared_floor() -> tuple[int, int]:
@@ -119,7 +120,7 @@ _OFF = {"loop_ordering_after_fusion": False}
     ("version", "expected"), [((2, 10), _OFF), ((2, 11), _OFF), ((2, 12), {}), ((2, 13), {})]
 )
 def test_loop_ordering_after_fusion_is_off_only_on_torch_2_10_and_2_11(version, expected):
-    assert jit_module._workaround_options(version) == expected
+    assert backend_module._workaround_options(version) == expected
 
 
 def _patches_seen_by_inductor(monkeypatch, version, device, options=None):
@@ -131,7 +132,7 @@ def _patches_seen_by_inductor(monkeypatch, version, device, options=None):
         return gm
 
     monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", fake_compile_fx)
-    monkeypatch.setattr(jit_module, "torch_version", lambda: version)
+    monkeypatch.setattr(backend_module, "torch_version", lambda: version)
     gm = torch.fx.symbolic_trace(lambda x: x + 1)
     x = torch.ones(2, device="meta") if device == "meta" else torch.ones(2)
     step = jit_module.CompiledStep(lambda s, x: (s, x), options=options)

@@ -1,5 +1,5 @@
 """``nn.Transformer`` with causal and padding masks trains and evaluates in one compiled graph (torch's
-causal-mask detection and the inference fast path read tensor values; functrain._attention_paths routes
+causal-mask detection and the inference fast path read tensor values; functrain.compile.attention_paths routes
 them), compiled once, with eager's numbers."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import functrain as ft
-from functrain._attention_paths import causal_hint, traceable_attention
+from functrain.compile.attention_paths import causal_hint, traceable_attention
 
 VOCAB, D = 20, 16
 LR = 1e-3

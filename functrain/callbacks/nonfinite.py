@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from functrain import _foreach as foreach
 from functrain import tree
 from functrain.callbacks.base import Callback, Context
 from functrain.callbacks.monitors import NonFiniteLossError
@@ -52,8 +51,9 @@ def skip_nonfinite(train_step: Callable[[Any, Any], tuple[Any, dict[str, Any]]])
 
     @functools.wraps(train_step)
     def skipping_step(state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
-        with foreach.flag("donated", False):  # a skipped step returns the incoming tensors
-            new, metrics = train_step(state, batch)
+        # Never donated=True (jit passes it only to a step that declares it): a skipped step returns the
+        # incoming tensors, so the update must not write into them.
+        new, metrics = train_step(state, batch)
         finite = torch.isfinite(metrics["loss"]).all()
         if "grad_norm" in metrics and getattr(state, "loss_scale", None) is None:
             finite = finite & torch.isfinite(metrics["grad_norm"]).all()

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from functrain import tree
+from functrain._atomic import atomic_write
 from functrain.checkpoint import format as fmt
 from functrain.checkpoint import structure
-from functrain.checkpoint.atomic import atomic_write
 from functrain.checkpoint.errors import CheckpointError
 from functrain.checkpoint.format import CheckpointHeader, TensorInfo
 

@@ -48,8 +48,8 @@ from typing import Any, BinaryIO
 import msgpack
 import torch
 
-import functrain
 from functrain import tree
+from functrain._version import __version__
 from functrain.checkpoint.errors import CheckpointError
 from functrain.checkpoint.memory import available_memory, human_size
 from functrain.checkpoint.structure import Path
@@ -281,7 +281,7 @@ def write(
         table.append([where, name, list(t.shape), t.numel() * t.element_size()])
     header = {
         "format": FORMAT_VERSION,
-        "functrain": functrain.__version__,
+        "functrain": __version__,
         "torch": torch.__version__,
         "step": None if step is None else int(step),
         "created": time.time(),

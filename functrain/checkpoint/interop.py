@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import torch
 
-from functrain.checkpoint.atomic import atomic_write, temporary_path
+from functrain._atomic import atomic_write, temporary_path
 from functrain.checkpoint.errors import CheckpointError
 from functrain.checkpoint.sources import checkpoint_weights, import_safetensors
 

@@ -11,12 +11,12 @@ Example:
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from functrain._atomic import replace_text
 from functrain.config.errors import ConfigError, Problem
 
 __all__ = ["dump_yaml", "load_yaml_mapping", "read_yaml_source", "write_text_atomic"]
@@ -89,16 +89,7 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    replace_text(target, text)
     return target
 
 

@@ -137,7 +137,7 @@ class CacheHits:
             self.missed_on_guards = True
         except Exception as e:  # dynamo's private API changed: use torch.compile's path from now on
             self.enabled = False
-            log.warning("functrain.cache_hits: direct calls off (%s: %s)", type(e).__name__, e)
+            log.warning("functrain.compile.cache_hits: direct calls off (%s: %s)", type(e).__name__, e)
         return None, ""
 
     def _function(self, code: types.CodeType, live_entries: int) -> Callable[..., Any]:

@@ -1,7 +1,7 @@
 """How long a step's last compile took on this machine: the estimate announced before the next one.
 
 One small JSON file in functrain's per-user cache directory (``$FUNCTRAIN_CACHE_DIR``, else
-``$XDG_CACHE_HOME/functrain``, else ``~/.cache/functrain``; see :mod:`functrain._isa_probe`) maps a key to
+``$XDG_CACHE_HOME/functrain``, else ``~/.cache/functrain``; see :mod:`functrain.compile.isa_probe`) maps a key to
 the seconds of the last first compile. The key (:func:`compile_key`) hashes what decides the graph: the
 step's name, the model's class and its tensors' names, shapes and dtypes, the shapes and dtypes of the
 call's tensors, the compile options and the torch version. The file keeps the newest entries only; a
@@ -18,15 +18,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from typing import Any
 
 import torch
 import torch.utils._pytree as torch_pytree
 
-from functrain._isa_probe import cache_root
-from functrain.logging._atomic import replace_text
+from functrain._atomic import replace_text
+from functrain.compile.isa_probe import cache_root
 
-__all__ = ["compile_key", "estimate", "record"]
+__all__ = ["announce", "compile_key", "estimate", "record"]
+
+log = logging.getLogger("functrain.jit")  # the logger jit's users configure
 
 _FILE = "compile-seconds.json"
 _KEEP = 256  # entries kept (the newest)
@@ -81,3 +84,19 @@ def record(key: str, seconds: float) -> None:
         replace_text(path, json.dumps(kept))
     except OSError:  # a read-only cache: the next process has no estimate
         pass
+
+
+def announce(name: str, model: Any, call: Any, options: dict[str, Any]) -> str | None:
+    """Log that the first compile of ``name`` starts, with the last one's time on this machine where the
+    file has it; returns the key to :func:`record` this one under (``None``: only the estimate is lost)."""
+    try:
+        key = compile_key(name, model, call, options)
+        last = estimate(key)
+    except Exception as e:  # only the estimate is lost
+        log.debug("%s: no compile-time estimate (%s: %s)", name, type(e).__name__, e)
+        key, last = None, None
+    log.info(
+        "compiling %s: first call%s", name,
+        f" (~{last:.3g} s: the last compile of this step on this machine)" if last is not None else "",
+    )  # fmt: skip
+    return key

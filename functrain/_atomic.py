@@ -1,4 +1,5 @@
-"""Atomic file replacement: write to a temporary file beside the target, fsync, rename, fsync the folder.
+"""Atomic file replacement, the one helper every writer of functrain uses (checkpoints, logs, the config,
+compile caches): write to a temporary file beside the target, fsync, rename, fsync the folder.
 
 A reader (or a process restarted after a crash) sees either the old file or the complete new one, never
 a partial file under the final name. A temporary name says who writes it,
@@ -34,6 +35,7 @@ __all__ = [
     "drop_cached_pages",
     "fsync_directory",
     "is_abandoned",
+    "replace_text",
     "temporary_path",
 ]
 
@@ -182,3 +184,13 @@ def atomic_write(path: str | os.PathLike[str], *, fsync: bool = True) -> Iterato
         raise
     if fsync:
         fsync_directory(directory)
+
+
+def replace_text(path: str | os.PathLike[str], text: str, *, fsync: bool = True) -> None:
+    """Replace ``path``'s content with ``text`` (UTF-8, newlines as given) through :func:`atomic_write`.
+
+    Example:
+        >>> replace_text("run/run_id.txt", "abc123")  # doctest: +SKIP
+    """
+    with atomic_write(path, fsync=fsync) as file:
+        file.write(text.encode("utf-8"))

@@ -2,12 +2,12 @@
 
 - ``torch.utils.checkpoint`` is routed to :mod:`functrain.remat` (torch's needs saved-tensor hooks or
   an ``autograd.Function`` without ``setup_context``, neither of which ``torch.func.grad`` runs);
-- ``nn.RNN``/``nn.GRU``/``nn.LSTM`` run as tensor loops when compiled (:mod:`functrain.rnn`; dynamo
+- ``nn.RNN``/``nn.GRU``/``nn.LSTM`` run as tensor loops when compiled (:mod:`functrain.compile.rnn`; dynamo
   refuses torch's);
 - ``logging.Logger`` calls are skipped by dynamo instead of breaking the graph
-  (:mod:`functrain.quiet_logging`);
+  (:mod:`functrain.compile.quiet_logging`);
 - ``nn.Transformer``'s causal-mask detection and ``nn.MultiheadAttention``'s inference fast path, which
-  read tensor values to pick a kernel, take torch's reference path (:mod:`functrain._attention_paths`).
+  read tensor values to pick a kernel, take torch's reference path (:mod:`functrain.compile.attention_paths`).
 
 Everything is restored when the call returns.
 
@@ -22,10 +22,10 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from functrain._attention_paths import traceable_attention
-from functrain.quiet_logging import ignored_logging
+from functrain.compile.attention_paths import traceable_attention
+from functrain.compile.quiet_logging import ignored_logging
+from functrain.compile.rnn import functional_rnns
 from functrain.remat import routed_checkpoint
-from functrain.rnn import functional_rnns
 
 __all__ = ["traceable"]
 
