@@ -4,7 +4,8 @@ piece of the run. The :class:`~functrain.trainer.Trainer` is these put together;
 - :func:`optimizer`, :func:`schedule` (from the table :data:`functrain.config.schedules.SCHEDULES`),
   :func:`criterion`, :func:`metrics`, :func:`callbacks`, :func:`loggers` (the table :data:`LOGGERS`),
   :func:`manager` (the checkpoint folder), :func:`loader`, :func:`frozen`, :func:`total_steps`,
-  :func:`initial_state`, :func:`resolve_device`.
+  :func:`initial_state`, :func:`steps` (train/eval/predict), :func:`compiled` (their ``jit``),
+  :func:`every` (fit's eval/save/log periods), :func:`resolve_device`.
 
 Example:
     >>> import functrain as ft
@@ -19,27 +20,34 @@ import inspect
 import math
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any, NamedTuple, get_args
 
 import torch
 from torch import nn
 
 from functrain import callbacks as cbs
-from functrain import checkpoint, data, distributed, optim
+from functrain import checkpoint, data, distributed, ensemble, optim
 from functrain import logging as ftlog
 from functrain import metrics as ftmetrics
 from functrain.config import ConfigError, TrainerConfig
 from functrain.config.schedules import SCHEDULES
 from functrain.config.section import type_hints
+from functrain.jit import CompiledStep, jit
 from functrain.precision import LossScale
 from functrain.state import TrainState
+from functrain.step import make_eval_step, make_predict_step, make_train_step
 from functrain.trainer import averaging
+from functrain.trainer.run_dir import COMPILE_CACHE_DIR
 
 __all__ = [
     "LOGGERS",
+    "Losses",
     "best_metric",
     "callbacks",
+    "compiled",
     "criterion",
+    "device",
+    "every",
     "frozen",
     "initial_state",
     "loader",
@@ -47,8 +55,10 @@ __all__ = [
     "manager",
     "metrics",
     "optimizer",
+    "replicated",
     "resolve_device",
     "schedule",
+    "steps",
     "total_steps",
 ]
 
@@ -79,6 +89,21 @@ def resolve_device(name: str) -> torch.device:
                 "use device=cpu or auto",
             )
     return device
+
+
+def device(config: TrainerConfig) -> torch.device:
+    """The run's device (:func:`resolve_device`), refused for fp16 off CUDA.
+
+    Example:
+        >>> device(TrainerConfig(max_steps=1, device="cpu"))
+        device(type='cpu')
+    """
+    resolved = resolve_device(config.device)
+    if config.mixed_precision == "fp16" and resolved.type != "cuda":
+        raise ConfigError.single(
+            "mixed_precision", f"fp16 needs a CUDA device, the run uses {resolved}", "use bf16 on the CPU"
+        )
+    return resolved
 
 
 def schedule(config: TrainerConfig, total_steps: int) -> optim.Schedule | float:
@@ -297,6 +322,95 @@ def initial_state(
             "check the file and the model",
         )
     return state, report
+
+
+class Losses(NamedTuple):
+    """The Trainer's loss functions of ``(model, batch)``: training's (augmented), evaluation's, and the
+    prediction's forward."""
+
+    train: Callable[[Callable[..., Any], Any], Any]
+    eval: Callable[[Callable[..., Any], Any], Any]
+    predict: Callable[[Callable[..., Any], Any], Any]
+
+
+def replicated(state: TrainState, model: nn.Module, device: torch.device) -> tuple[TrainState, Any]:
+    """Under torchrun: ``state`` made the same on every rank (rank 0's) and the gradient reducer that
+    averages gradients in the step; else ``(state, None)``."""
+    if not distributed.is_distributed():
+        return state, None
+    return distributed.replicate(state, device=device), distributed.gradient_reducer(model=model)
+
+
+def steps(
+    config: TrainerConfig,
+    model: nn.Module,
+    losses: Losses,
+    metrics: ftmetrics.Collection | None,
+    reducer: Any = None,
+) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    """The pure train, eval and predict steps of ``config`` (precision, accumulation, frozen BatchNorm,
+    skipping non-finite steps, a sweep's ensemble) over ``losses``; ``reducer``: torchrun's gradient
+    averaging.
+
+    Example:
+        >>> import functrain as ft
+        >>> mse = lambda m, batch: torch.nn.functional.mse_loss(m(batch[0]), batch[1])
+        >>> train, _, _ = steps(TrainerConfig(max_steps=1), torch.nn.Linear(2, 1), Losses(mse, mse, mse), None)
+    """
+    precision = None if config.mixed_precision == "no" else config.mixed_precision
+    train = make_train_step(
+        model,
+        losses.train,
+        accumulate=config.gradient_accumulation_steps,
+        precision=precision,
+        metrics=None,
+        freeze_batchnorm=config.freeze.batchnorm,
+        gradient_reducer=reducer,
+    )
+    if config.nonfinite != "ignore":  # inside the ensemble's vmap below: each member skips on its own
+        train = cbs.skip_nonfinite(train)
+    evaluate = make_eval_step(model, losses.eval, metrics=metrics, precision=precision)
+    predict = make_predict_step(model, losses.predict, precision=precision)
+    if config.sweep:
+        return ensemble.step(train), ensemble.eval_step(evaluate), ensemble.predict_step(predict)
+    return train, evaluate, predict
+
+
+def compiled(config: TrainerConfig, kind: str, fn: Callable[..., Any]) -> CompiledStep:
+    """``fn`` (the ``kind`` ``"train"``/``"eval"``/``"predict"`` step) under :func:`functrain.jit` as the
+    config asks: compiled or eager, donated (training), and torch's portable compile cache in the run
+    directory (opt-in: its files are pickles)."""
+    cache_dir = Path(config.output_dir) / COMPILE_CACHE_DIR if config.compile_cache else None
+    return jit(
+        fn,
+        compile=config.compile,
+        mode=config.compile_mode,
+        donate=config.donate and kind == "train",
+        dynamic=None if kind != "train" else False,
+        cache_dir=cache_dir,
+    )
+
+
+# eval_strategy/save_strategy -> fit's eval_every/save_every, given eval_steps/save_steps
+_EVERY: dict[str, Callable[[int | None], int | str | None]] = {
+    "no": lambda steps: None,
+    "epoch": lambda steps: "epoch",
+    "steps": lambda steps: steps,
+}
+
+
+def every(config: TrainerConfig) -> dict[str, int | str | None]:
+    """``fit``'s ``eval_every``, ``save_every`` and ``log_every`` from the config's strategies.
+
+    Example:
+        >>> every(TrainerConfig(max_steps=10, eval_strategy="steps", eval_steps=5, log_steps=2))
+        {'eval_every': 5, 'save_every': 'epoch', 'log_every': 2}
+    """
+    return {
+        "eval_every": _EVERY[config.eval_strategy](config.eval_steps),
+        "save_every": _EVERY[config.save_strategy](config.save_steps),
+        "log_every": config.log_steps,
+    }
 
 
 def best_metric(config: TrainerConfig) -> str:

@@ -32,10 +32,9 @@ from torch import nn
 from functrain import callbacks as cbs
 from functrain import checkpoint, distributed, ensemble, optim
 from functrain.config import ConfigError, TrainerConfig
-from functrain.jit import jit
 from functrain.loop import FitResult, _onto, data_key, evaluate, fit, predict
 from functrain.state import TrainState
-from functrain.step import _inputs_and_target, make_eval_step, make_predict_step, make_train_step
+from functrain.step import _inputs_and_target
 from functrain.trainer import averaging, batches, build, run_dir, sweep
 
 __all__ = ["Trainer"]
@@ -93,13 +92,7 @@ class Trainer:
         explicit = criterion is not None or cfg.loss != type(cfg.loss)()
         self.criterion = criterion if criterion is not None else build.criterion(cfg)
         self._use_model_loss = self.model_takes_labels and not explicit
-        self.device = build.resolve_device(cfg.device)
-        if cfg.mixed_precision == "fp16" and self.device.type != "cuda":
-            raise ConfigError.single(
-                "mixed_precision",
-                f"fp16 needs a CUDA device, the run uses {self.device}",
-                "use bf16 on the CPU",
-            )
+        self.device = build.device(cfg)
         self.extra_callbacks = list(callbacks)
         self.metrics = build.metrics(cfg)
         self._optimizer_override = optimizer
@@ -192,29 +185,24 @@ class Trainer:
         resume = run_dir.resume_argument(cfg)
         distributed.barrier()  # every rank checks the directory before rank 0 writes into it
         loggers = self._loggers(out / cfg.logs_dir)  # they write nothing before their first line
-        # fit restores the checkpoint (refusing one of another model) before train_begin, the first event
-        start = cbs.LambdaCallback(
-            "run_directory",
-            on_train_begin=lambda s, ctx: run_dir.start(cfg, out, self.model, self.frozen) or s,
-        )
+        start = run_dir.start_callback(cfg, out, self.model, self.frozen)
         extending = additional_epochs is not None or additional_steps is not None
-        evaluates = cfg.eval_strategy != "no"
         try:
+            train_step, eval_step, eval_data = self._jit("train", self.train_step), None, None
+            if cfg.eval_strategy != "no":
+                eval_step = self._jit("eval", self.eval_step)
+                eval_data = self._loader(self.eval_dataset, cfg.resolved_eval_batch_size, train=False)
             result = fit(
                 self.state,
-                self._jit("train", self.train_step),
+                train_step,
                 train_loader,
-                eval_step=self._jit("eval", self.eval_step) if evaluates else None,
-                eval_data=self._loader(self.eval_dataset, cfg.resolved_eval_batch_size, train=False)
-                if evaluates
-                else None,
+                eval_step=eval_step,
+                eval_data=eval_data,
                 epochs=None if extending else cfg.epochs,
                 max_steps=None if extending else cfg.max_steps,
                 additional_epochs=additional_epochs,
                 additional_steps=additional_steps,
-                eval_every=_EVERY[cfg.eval_strategy](cfg.eval_steps),
-                save_every=_EVERY[cfg.save_strategy](cfg.save_steps),
-                log_every=cfg.log_steps,
+                **build.every(cfg),
                 callbacks=[start, *build.callbacks(cfg, self.extra_callbacks)],
                 loggers=loggers,
                 checkpoints=manager,
@@ -225,12 +213,7 @@ class Trainer:
             for lg in loggers:  # finished, files are closed
                 lg.close()
         if cfg.load_best_model_at_end and manager.best() is not None:
-            best = manager.restore("best")["state"]
-            fields = averaging.restored_fields(cfg)  # the weights, and their average with them
-            state = result.state
-            result.state = state.replace(
-                **{f: _onto(getattr(state, f), best[f], f"state.{f}") for f in fields}
-            )
+            result.state = _with_best(cfg, result.state, manager.restore("best")["state"])
         self.state, self.result = result.state, result
         if cfg.sweep and distributed.is_main_process():
             self.sweep_best, self.sweep_results = sweep.report(cfg, result.history, self.sweep_members, out)
@@ -271,13 +254,8 @@ class Trainer:
         return self.state
 
     def checkpoint_manager(self) -> checkpoint.CheckpointManager:
-        """The run's checkpoint folder as ``train()`` writes it (:func:`functrain.trainer.build.manager`);
-        the CLI's eval/predict use it to find the latest or best checkpoint of a run.
-
-        Example:
-            >>> trainer.checkpoint_manager().latest()  # doctest: +SKIP
-            200
-        """
+        """The run's checkpoint folder as ``train()`` writes it (:func:`functrain.trainer.build.manager`):
+        the CLI's eval/predict find the latest or best checkpoint of a run with it."""
         return build.manager(self.config)
 
     def best_member(self) -> TrainState:
@@ -297,52 +275,14 @@ class Trainer:
     # ------------------------------------------------------------------------------ building
 
     def _build_steps(self) -> None:
-        cfg, model = self.config, self.model
-        precision = None if cfg.mixed_precision == "no" else cfg.mixed_precision
-        reducer = None
-        if distributed.is_distributed():  # torchrun: same start on every rank, gradients averaged in the step
-            self.state = distributed.replicate(self.state, device=self.device)
-            reducer = distributed.gradient_reducer(model=model)
-
-        def train_loss(m: Callable[..., Any], batch: Any) -> Any:
-            return self.compute_loss(m, self.augment(self.preprocess(batch)))
-
-        def eval_loss(m: Callable[..., Any], batch: Any) -> Any:
-            return self.compute_loss(m, self.preprocess(batch))
-
-        def forward(m: Callable[..., Any], batch: Any) -> Any:
-            return batches.predict_forward(m, self.preprocess(batch), self.model_takes_labels)
-
-        self._train_step = make_train_step(
-            model,
-            train_loss,
-            accumulate=cfg.gradient_accumulation_steps,
-            precision=precision,
-            metrics=None,
-            freeze_batchnorm=cfg.freeze.batchnorm,
-            gradient_reducer=reducer,
+        self.state, reducer = build.replicated(self.state, self.model, self.device)
+        self._train_step, self._eval_step, self._predict_step = build.steps(
+            self.config, self.model, _losses(self), self.metrics, reducer
         )
-        if cfg.nonfinite != "ignore":  # inside the ensemble's vmap below: each member skips on its own
-            self._train_step = cbs.skip_nonfinite(self._train_step)
-        self._eval_step = make_eval_step(model, eval_loss, metrics=self.metrics, precision=precision)
-        self._predict_step = make_predict_step(model, forward, precision=precision)
-        if cfg.sweep:
-            self._train_step = ensemble.step(self._train_step)
-            self._eval_step = ensemble.eval_step(self._eval_step)
-            self._predict_step = ensemble.predict_step(self._predict_step)
 
     def _jit(self, kind: str, fn: Callable[..., Any]) -> Any:
         if kind not in self._jitted:
-            cfg = self.config
-            self._jitted[kind] = jit(
-                fn,
-                compile=cfg.compile,
-                mode=cfg.compile_mode,
-                donate=cfg.donate and kind == "train",
-                dynamic=None if kind != "train" else False,
-                # torch's portable compile cache in the run directory (opt-in: its files are pickles)
-                cache_dir=Path(cfg.output_dir) / run_dir.COMPILE_CACHE_DIR if cfg.compile_cache else None,
-            )
+            self._jitted[kind] = build.compiled(self.config, kind, fn)
             # the loop finds these on the step (a bound method carries no attributes of its own)
             self._jitted[kind].metrics = getattr(self._eval_step, "metrics", None) if kind == "eval" else None
             self._jitted[kind].gradient_reducer = getattr(self._train_step, "gradient_reducer", None)
@@ -361,12 +301,25 @@ class Trainer:
         run_dir.check(self.config, out)
 
 
-# eval_strategy/save_strategy -> fit's eval_every/save_every, given eval_steps/save_steps
-_EVERY: dict[str, Callable[[int | None], int | str | None]] = {
-    "no": lambda steps: None,
-    "epoch": lambda steps: "epoch",
-    "steps": lambda steps: steps,
-}
+def _losses(trainer: Trainer) -> build.Losses:
+    """The Trainer's extension points (``preprocess``, ``augment``, ``compute_loss``) as the steps' losses."""
+
+    def train_loss(model: Callable[..., Any], batch: Any) -> Any:
+        return trainer.compute_loss(model, trainer.augment(trainer.preprocess(batch)))
+
+    def eval_loss(model: Callable[..., Any], batch: Any) -> Any:
+        return trainer.compute_loss(model, trainer.preprocess(batch))
+
+    def forward(model: Callable[..., Any], batch: Any) -> Any:
+        return batches.predict_forward(model, trainer.preprocess(batch), trainer.model_takes_labels)
+
+    return build.Losses(train_loss, eval_loss, forward)
+
+
+def _with_best(config: TrainerConfig, state: TrainState, best: Mapping[str, Any]) -> TrainState:
+    """``state`` with the best checkpoint's weights (and their average with them: ``config.ema``)."""
+    fields = averaging.restored_fields(config)
+    return state.replace(**{f: _onto(getattr(state, f), best[f], f"state.{f}") for f in fields})
 
 
 def _as_config(config: TrainerConfig | Mapping[str, Any] | str | os.PathLike[str]) -> TrainerConfig:

@@ -17,10 +17,11 @@ from typing import Any
 from torch import nn
 
 from functrain import distributed
+from functrain.callbacks import Callback, LambdaCallback
 from functrain.config import ConfigError, TrainerConfig
 from functrain.model_summary import summary
 
-__all__ = ["COMPILE_CACHE_DIR", "check", "resume_argument", "start"]
+__all__ = ["COMPILE_CACHE_DIR", "check", "resume_argument", "start", "start_callback"]
 
 # Inside output_dir: torch's portable compile cache (functrain.jit's cache_dir), kept across runs.
 COMPILE_CACHE_DIR = "compile-cache"
@@ -52,6 +53,14 @@ def start(config: TrainerConfig, out: Path, model: nn.Module, frozen: set[str]) 
     config.save(out / "config.yaml")
     if config.print_summary:
         print(summary(model, frozen=frozen))
+
+
+def start_callback(config: TrainerConfig, out: Path, model: nn.Module, frozen: set[str]) -> Callback:
+    """:func:`start` at ``train_begin``: ``fit`` has restored the checkpoint (refusing one of another model)
+    and checked the data before that first event, so a refused run writes nothing in ``out``."""
+    return LambdaCallback(
+        "run_directory", on_train_begin=lambda s, ctx: start(config, out, model, frozen) or s
+    )
 
 
 def resume_argument(config: TrainerConfig) -> Any:

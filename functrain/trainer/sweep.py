@@ -2,13 +2,13 @@
 the winning member.
 
 :func:`sweep_state` builds the stacked state whose member ``i`` has combination ``i`` of
-:func:`functrain.ensemble.sweep.grid` (its learning rate and weight decay in the optimizer state, its
+:func:`functrain.ensemble.grid.grid` (its learning rate and weight decay in the optimizer state, its
 seed's initialisation and random key); after training, :func:`results` reads each member's final and best
 scalars from the history, :func:`write_results` saves them as CSV and markdown and :func:`plot_sweep`
 draws every member's curves. :func:`state` and :func:`report` are these as the Trainer runs them.
 
 Example:
-    >>> from functrain.ensemble.sweep import grid
+    >>> from functrain.ensemble.grid import grid
     >>> h = History(); h.put("eval/loss/member_0", 0.5, 1); h.put("eval/loss/member_1", 0.25, 1)
     >>> best_index(results(h, grid({"seed": [0, 1]})), "eval/loss")
     1
@@ -31,8 +31,8 @@ from torch import nn
 from functrain import distributed, ensemble, optim
 from functrain.config import ConfigError, TrainerConfig
 from functrain.config.sweep import SWEEPABLE
+from functrain.ensemble.grid import grid, label
 from functrain.ensemble.stacked import create
-from functrain.ensemble.sweep import grid, label
 from functrain.logging.history import History
 from functrain.logging.members import lower_is_better, member_key
 from functrain.logging.plot import save_panels
