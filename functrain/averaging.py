@@ -7,25 +7,7 @@ Example:
 """
 
 from functrain.callbacks.averaged import AveragedEvaluation
-from functrain.optim.averaging import (
-    EmaState,
-    SwaState,
-    averaged_params,
-    ema,
-    find_average,
-    swa,
-    update_bn,
-    with_averaged_params,
-)
+from functrain.optim import averaging as _optim_averaging
+from functrain.optim.averaging import *  # noqa: F403 - the old address: every public name of the module
 
-__all__ = [
-    "AveragedEvaluation",
-    "EmaState",
-    "SwaState",
-    "averaged_params",
-    "ema",
-    "find_average",
-    "swa",
-    "update_bn",
-    "with_averaged_params",
-]
+__all__ = ["AveragedEvaluation", *_optim_averaging.__all__]
