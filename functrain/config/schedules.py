@@ -46,7 +46,9 @@ def _cosine(optim: Any, lr: float, args: dict[str, Any], rest: int, total: int) 
 
 SCHEDULES: dict[str, Builder] = {
     "constant": lambda optim, lr, args, rest, total: optim.constant_schedule(lr),
-    "linear": lambda optim, lr, args, rest, total: optim.linear_schedule(lr, args.pop("end_value", 0.0), rest),
+    "linear": lambda optim, lr, args, rest, total: optim.linear_schedule(
+        lr, args.pop("end_value", 0.0), rest
+    ),
     "cosine": _cosine,
     "warmup_cosine": _cosine,
     "exponential": _exponential,
