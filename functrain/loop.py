@@ -33,7 +33,8 @@ import torch
 
 from functrain import distributed, random, tree
 from functrain.callbacks.base import Callback, Context
-from functrain.data import DataPosition, Loader
+from functrain.data import DataPosition
+from functrain.data.build import as_loader as _as_loader
 from functrain.data.notes import add_note
 from functrain.ensemble.stacked import is_ensemble, run_key, run_step, size
 from functrain.logging import History
@@ -100,38 +101,6 @@ def _batch_device(state: Any) -> torch.device | None:
     """Where the step wants its batches: the state's accelerator, or ``None`` (leave them as they are)."""
     device = getattr(state, "device", None)
     return device if isinstance(device, torch.device) and device.type != "cpu" else None
-
-
-def _as_loader(
-    data: Any,
-    batch_size: int | None,
-    key: torch.Tensor,
-    what: str,
-    *,
-    shuffle: bool,
-    shard: bool = False,
-    device: torch.device | None = None,
-) -> Loader:
-    """A Loader over ``data`` whose batches arrive on ``device`` (a Loader with a device of its own keeps it).
-
-    On CUDA the host batches are pinned and copied without blocking, ahead of the step, by the Loader's
-    prefetch thread.
-    """
-    if isinstance(data, Loader):
-        return data.to(device) if device is not None and data.device is None else data
-    if batch_size is None and not isinstance(data, torch.utils.data.DataLoader):
-        raise ValueError(
-            f"{what}: give a functrain.data.Loader, a torch DataLoader, or a dataset together with "
-            "batch_size=..."
-        )
-    if isinstance(data, torch.utils.data.DataLoader):
-        return Loader(data, device=device)
-    pin = device is not None and device.type == "cuda"
-    if isinstance(data, torch.utils.data.IterableDataset):
-        return Loader(data, batch_size, pin_memory=pin, device=device)
-    # Data parallelism: each rank reads its slice of the same per-epoch permutation; batch_size is per rank.
-    ranks = {"rank": distributed.rank(), "world_size": distributed.world_size()} if shard else {}
-    return Loader(data, batch_size, key=key, shuffle=shuffle, pin_memory=pin, device=device, **ranks)
 
 
 def _scalar_dict(values: Mapping[str, Any]) -> dict[str, float]:

@@ -389,8 +389,9 @@ def test_every_config_field_is_consumed():
 
     from functrain.config.section import leaf_paths
 
+    package = HERE.parent / "functrain"  # the Trainer package (its builders, the demo) and the CLI
     sources = "".join(
-        (HERE.parent / "functrain" / f).read_text() for f in ("trainer.py", "cli.py", "demo.py")
+        f.read_text() for f in [*sorted((package / "trainer").glob("*.py")), package / "cli.py"]
     )
     unread = []
     for path in leaf_paths(ft.TrainerConfig):  # sections expanded, optional ones (early_stopping) too

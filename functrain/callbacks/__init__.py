@@ -5,6 +5,7 @@ Example:
     >>> callbacks = [ft.callbacks.EarlyStopping("eval/loss", patience=3), ft.callbacks.LearningRateMonitor()]
 """
 
+from functrain.callbacks.averaged import AveragedEvaluation
 from functrain.callbacks.base import EVENTS, Callback, Context, Control, LambdaCallback
 from functrain.callbacks.checkpointing import ModelCheckpoint
 from functrain.callbacks.early_stopping import EarlyStopping
@@ -16,6 +17,7 @@ from functrain.callbacks.progress import PrintMetrics, ProgressBar
 
 __all__ = [
     "EVENTS",
+    "AveragedEvaluation",
     "Callback",
     "Context",
     "Control",

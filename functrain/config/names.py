@@ -1,7 +1,8 @@
 """The names a config may use: optimizers, schedules, and what other trainers call our fields.
 
-``OPTIMIZER_NAMES`` and ``SCHEDULER_NAMES`` are the one place that lists what ``functrain.optim`` builds
-by name; add a name here when ``functrain.optim`` gains one, so config validation and the Trainer agree.
+``OPTIMIZER_NAMES`` lists what ``functrain.optim`` builds by name; add a name here when ``functrain.optim``
+gains one, so config validation and the Trainer agree. ``SCHEDULER_NAMES`` are the keys of
+:data:`functrain.config.schedules.SCHEDULES`, the table the Trainer builds schedules from.
 
 Example:
     >>> "adamw" in OPTIMIZER_NAMES and "warmup_cosine" in SCHEDULER_NAMES
@@ -15,21 +16,14 @@ from __future__ import annotations
 import re
 from typing import Literal
 
+from functrain.config.schedules import SCHEDULES
+
 __all__ = ["OPTIMIZER_NAMES", "RENAMED_FIELDS", "SCHEDULER_NAMES", "metric_mode"]
 
 OPTIMIZER_NAMES: tuple[str, ...] = ("sgd", "adam", "adamw", "rmsprop", "adagrad", "lion", "lamb")
 
-SCHEDULER_NAMES: tuple[str, ...] = (
-    "constant",
-    "linear",
-    "cosine",
-    "warmup_cosine",
-    "exponential",
-    "step",
-    "piecewise",
-    "polynomial",
-    "one_cycle",
-)
+# The schedule names are the keys of the one table that builds them.
+SCHEDULER_NAMES: tuple[str, ...] = tuple(SCHEDULES)
 
 # Field names of the Towhee, Hezar, LiBai and Hugging Face trainers, mapped to ours: difflib cannot
 # guess that "epoch_num" means "epochs", and people bring their old configs along.

@@ -12,8 +12,12 @@ YAML (nested or dotted keys, lists or comma-separated strings)::
       optimizer.lr: [1e-3, 3e-3, 1e-2]
       seed: 0,1,2
 
+The paths name fields of the config class given as ``root`` (``TrainerConfig`` passes itself), so this
+module needs no import of the config it checks.
+
 Example:
-    >>> normalize_sweep({"optimizer": {"lr": "1e-3,3e-3"}, "seed": [0, 1]}, "sweep")
+    >>> from functrain.config import TrainerConfig
+    >>> normalize_sweep({"optimizer": {"lr": "1e-3,3e-3"}, "seed": [0, 1]}, "sweep", TrainerConfig)
     {'optimizer.lr': [0.001, 0.003], 'seed': [0, 1]}
 """
 
@@ -47,12 +51,11 @@ def _flatten(value: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _field(path: str) -> tuple[dataclasses.Field[Any], Any]:
-    """The config field at a dotted ``path`` of :class:`TrainerConfig` and its type hint."""
+def _field(root: type, path: str) -> tuple[dataclasses.Field[Any], Any]:
+    """The config field at a dotted ``path`` of the config class ``root`` and its type hint."""
     from functrain.config.section import section_of, type_hints
-    from functrain.config.trainer_config import TrainerConfig  # imported when a config is built
 
-    cls: Any = TrainerConfig
+    cls: Any = root
     *sections, name = path.split(".")
     for section in sections:
         cls = section_of(type_hints(cls)[section])
@@ -60,7 +63,7 @@ def _field(path: str) -> tuple[dataclasses.Field[Any], Any]:
     return field, type_hints(cls)[name]
 
 
-def _values(raw: Any, path: str, where: str) -> tuple[list[Any], list[Problem]]:
+def _values(root: type, raw: Any, path: str, where: str) -> tuple[list[Any], list[Problem]]:
     """The values listed for ``path``, each converted and checked as the field itself would be."""
     from functrain.config.section import checked_value
 
@@ -70,7 +73,7 @@ def _values(raw: Any, path: str, where: str) -> tuple[list[Any], list[Problem]]:
         raw = [raw]
     if not raw:
         return [], [Problem(where, "has no values", "give at least one value, e.g. [1e-3, 3e-3]")]
-    field, hint = _field(path)
+    field, hint = _field(root, path)
     out, problems = [], []
     for i, item in enumerate(raw):
         try:
@@ -82,9 +85,9 @@ def _values(raw: Any, path: str, where: str) -> tuple[list[Any], list[Problem]]:
     return out, problems
 
 
-def normalize_sweep(value: Any, path: str) -> dict[str, list[Any]]:
+def normalize_sweep(value: Any, path: str, root: type) -> dict[str, list[Any]]:
     """The ``sweep`` mapping as ``{dotted path: [values]}``, checked: sweepable fields, and each value as
-    its field checks it (type, finiteness, bounds)."""
+    its field of the config class ``root`` checks it (type, finiteness, bounds)."""
     if value is None:
         return {}
     if not isinstance(value, Mapping):
@@ -108,7 +111,7 @@ def normalize_sweep(value: Any, path: str) -> dict[str, list[Any]]:
                 )
             )
             continue
-        values, bad = _values(raw, key, where)
+        values, bad = _values(root, raw, key, where)
         problems += bad
         out[key] = values
     if problems:

@@ -264,7 +264,7 @@ class TrainerConfig(ConfigSection):
         default_factory=dict,
         doc="Values to train side by side as one ensemble, e.g. {optimizer.lr: [1e-3, 3e-3], seed: [0, 1]}: "
         "every combination is a member; only optimizer.lr, optimizer.weight_decay and seed can be swept.",
-        normalize=normalize_sweep,
+        normalize=lambda value, path: normalize_sweep(value, path, TrainerConfig),
     )
     # -- freezing, weight averaging
     freeze: FreezeConfig = option(default_factory=FreezeConfig, doc="Parameters not to train.")

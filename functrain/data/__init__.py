@@ -11,6 +11,7 @@ Example:
     (2, 3)
 """
 
+from functrain.data.build import as_loader
 from functrain.data.collate import CollateError, collate, empty_batch, num_examples
 from functrain.data.loader import Loader
 from functrain.data.order import epoch_order, shard_batches
@@ -25,6 +26,7 @@ __all__ = [
     "Loader",
     "Prefetcher",
     "ResumeWarning",
+    "as_loader",
     "collate",
     "empty_batch",
     "epoch_order",

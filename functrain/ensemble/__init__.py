@@ -3,8 +3,9 @@ train state.
 
 - :mod:`~functrain.ensemble.stacked`: ``create``, ``member``/``members``, ``stack``, ``initialise``;
 - :mod:`~functrain.ensemble.steps`: ``step``, ``eval_step``, ``predict_step`` (vmapped over the members);
-- :mod:`~functrain.ensemble.sweep`: grids of hyperparameters as one ensemble, their results and plots
-  (what ``TrainerConfig(sweep=...)`` uses).
+- :mod:`~functrain.ensemble.grid`: grids of hyperparameters as one ensemble (what
+  ``TrainerConfig(sweep=...)`` trains; its state, results and plots: :mod:`functrain.trainer.sweep`,
+  also reachable as ``functrain.ensemble.sweep``, loaded on first use).
 
 Example:
     >>> import torch, functrain as ft
@@ -20,7 +21,7 @@ Example:
     torch.Size([16, 4])
 """
 
-from functrain.ensemble import sweep
+from functrain import _lazy
 from functrain.ensemble.stacked import (
     create,
     initialise,
@@ -51,3 +52,5 @@ __all__ = [
     "sweep",
     "vmap_members",
 ]
+
+_lazy.install(__name__, {}, ("sweep",))  # the sweep's old address, loaded on first use

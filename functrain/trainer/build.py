@@ -1,0 +1,501 @@
+"""Pure builders: a :class:`~functrain.config.TrainerConfig` (and the model or data it describes) -> one
+piece of the run. The :class:`~functrain.trainer.Trainer` is these put together; each can be used alone.
+
+- :func:`optimizer`, :func:`schedule` (from the table :data:`functrain.config.schedules.SCHEDULES`),
+  :func:`criterion`, :func:`metrics`, :func:`callbacks`, :func:`loggers` (the table :data:`LOGGERS`),
+  :func:`manager` (the checkpoint folder), :func:`loader`, :func:`frozen`, :func:`total_steps`,
+  :func:`initial_state`, :func:`steps` (train/eval/predict), :func:`compiled` (their ``jit``),
+  :func:`every` (fit's eval/save/log periods), :func:`resolve_device`.
+
+Example:
+    >>> import functrain as ft
+    >>> cfg = ft.TrainerConfig(max_steps=100, scheduler={"name": "cosine", "warmup_steps": 10})
+    >>> round(float(schedule(cfg, 100)(10)), 6)
+    0.001
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, NamedTuple, get_args
+
+import torch
+from torch import nn
+
+from functrain import callbacks as cbs
+from functrain import checkpoint, data, distributed, ensemble, optim
+from functrain import logging as ftlog
+from functrain import metrics as ftmetrics
+from functrain.config import ConfigError, TrainerConfig
+from functrain.config.schedules import SCHEDULES
+from functrain.config.section import type_hints
+from functrain.jit import CompiledStep, jit
+from functrain.precision import LossScale
+from functrain.state import TrainState
+from functrain.step import make_eval_step, make_predict_step, make_train_step
+from functrain.trainer import averaging
+from functrain.trainer.run_dir import COMPILE_CACHE_DIR
+
+__all__ = [
+    "LOGGERS",
+    "Losses",
+    "best_metric",
+    "callbacks",
+    "compiled",
+    "criterion",
+    "device",
+    "every",
+    "frozen",
+    "initial_state",
+    "loader",
+    "loggers",
+    "manager",
+    "metrics",
+    "optimizer",
+    "replicated",
+    "resolve_device",
+    "schedule",
+    "steps",
+    "total_steps",
+]
+
+_TORCH_ARG_NAMES = {"betas": ("b1", "b2")}
+
+
+def resolve_device(name: str) -> torch.device:
+    """``"auto"`` -> CUDA when available, else CPU; other names are checked against this machine.
+
+    Example:
+        >>> resolve_device("cpu")
+        device(type='cpu')
+    """
+    if name == "auto":
+        if torch.cuda.is_available():
+            return (
+                torch.device("cuda", distributed.local_rank())
+                if distributed.is_distributed()
+                else torch.device("cuda")
+            )
+        return torch.device("cpu")
+    device = torch.device(name)
+    for kind, available in (("cuda", torch.cuda.is_available), ("mps", torch.backends.mps.is_available)):
+        if device.type == kind and not available():
+            raise ConfigError.single(
+                "device",
+                f"device={name!r} but {kind.upper()} is not available here",
+                "use device=cpu or auto",
+            )
+    return device
+
+
+def device(config: TrainerConfig) -> torch.device:
+    """The run's device (:func:`resolve_device`), refused for fp16 off CUDA.
+
+    Example:
+        >>> device(TrainerConfig(max_steps=1, device="cpu"))
+        device(type='cpu')
+    """
+    resolved = resolve_device(config.device)
+    if config.mixed_precision == "fp16" and resolved.type != "cuda":
+        raise ConfigError.single(
+            "mixed_precision", f"fp16 needs a CUDA device, the run uses {resolved}", "use bf16 on the CPU"
+        )
+    return resolved
+
+
+def schedule(config: TrainerConfig, total_steps: int) -> optim.Schedule | float:
+    """The learning-rate schedule of ``config.scheduler`` over ``total_steps`` optimizer steps.
+
+    Warm-up (``warmup_steps`` or ``warmup_ratio`` of the total) rises linearly from 0 to
+    ``optimizer.lr`` and the named schedule (:data:`functrain.config.schedules.SCHEDULES`) takes over after
+    it. Every count is in optimizer steps.
+
+    Example:
+        >>> cfg = TrainerConfig(max_steps=100, scheduler={"name": "cosine", "warmup_steps": 10})
+        >>> round(float(schedule(cfg, 100)(10)), 6)
+        0.001
+    """
+    sc, lr = config.scheduler, config.optimizer.lr
+    warmup = (
+        sc.warmup_steps if sc.warmup_steps is not None else math.floor((sc.warmup_ratio or 0.0) * total_steps)
+    )
+    if warmup >= total_steps and total_steps > 0 and warmup > 0:
+        raise ConfigError.single(
+            "scheduler.warmup_steps",
+            f"warm-up of {warmup} steps is not shorter than the run ({total_steps} steps)",
+            "lower warmup_steps/warmup_ratio or train longer",
+        )
+    args = dict(sc.args)
+    try:
+        main = SCHEDULES[sc.name](optim, lr, args, max(total_steps - warmup, 1), total_steps)
+    except (TypeError, KeyError) as err:
+        raise ConfigError.single(
+            "scheduler.args",
+            f"bad arguments for schedule {sc.name!r}: {err}",
+            "check the schedule's arguments",
+        ) from err
+    if args:
+        raise ConfigError.single(
+            "scheduler.args", f"unused arguments {sorted(args)} for schedule {sc.name!r}", "remove them"
+        )
+    if not warmup:
+        return main
+    return optim.join_schedules(
+        [optim.linear_schedule(0.0, lr, warmup), lambda count: main(count - warmup)], [warmup]
+    )
+
+
+def optimizer(
+    config: TrainerConfig, learning_rate: Any, params: Mapping[str, torch.Tensor], frozen: set[str]
+) -> optim.GradientTransformation:
+    """The optimizer of ``config.optimizer``, with gradient clipping, frozen parameters and the weight
+    average (``config.ema``).
+
+    ``optimizer.args`` take functrain's names or torch's (``betas: [0.9, 0.999]``).
+
+    Example:
+        >>> tx = optimizer(TrainerConfig(max_steps=10), 1e-3, {"w": torch.zeros(2)}, set())
+    """
+    oc = config.optimizer
+    factory = getattr(optim, oc.name)
+    kwargs: dict[str, Any] = {}
+    for key, value in oc.args.items():
+        if key in _TORCH_ARG_NAMES:
+            kwargs.update(zip(_TORCH_ARG_NAMES[key], value))
+        else:
+            kwargs[key] = value
+    kwargs["weight_decay"] = oc.weight_decay
+    try:
+        tx = factory(learning_rate, **kwargs)
+    except TypeError as err:
+        known = [p for p in inspect.signature(factory).parameters if p != "learning_rate"]
+        raise ConfigError.single("optimizer.args", f"{err}", f"{oc.name} takes {known}") from err
+    if frozen:
+        tx = optim.freeze(tx, {name: name in frozen for name in params})
+    if config.max_grad_norm is not None:
+        tx = optim.chain(optim.clip_by_global_norm(config.max_grad_norm), tx)
+    return averaging.chain(config, tx)
+
+
+def criterion(config: TrainerConfig) -> Callable[[Any, Any], torch.Tensor]:
+    """``config.loss``: a ``torch.nn`` loss by name, or an import spec (``"pkg.module:Loss"``).
+
+    Example:
+        >>> criterion(TrainerConfig(max_steps=1, loss="MSELoss"))
+        MSELoss()
+    """
+    name, args = config.loss.name, dict(config.loss.args)
+    if ":" in name:
+        from functrain.config import resolve_object
+
+        cls = resolve_object(name, path="loss.name")
+    else:
+        cls = getattr(nn, name)
+    return cls(**args) if isinstance(cls, type) else cls
+
+
+def metrics(config: TrainerConfig) -> ftmetrics.Collection | None:
+    """``config.metrics`` as a :class:`functrain.metrics.Collection` (``None`` without metrics).
+
+    Example:
+        >>> sorted(metrics(TrainerConfig(max_steps=1, metrics=["accuracy"])).metrics)
+        ['accuracy']
+    """
+    if not config.metrics:
+        return None
+    built = {}
+    for name, args in config.metrics.items():
+        try:
+            built[name] = ftmetrics.metric_from_spec({"name": name, **args})
+        except (KeyError, ValueError, TypeError) as err:
+            raise ConfigError.single(
+                f"metrics.{name}", str(err), "see functrain.metrics.available_metrics()"
+            ) from err
+    return ftmetrics.Collection(built)
+
+
+def frozen(config: TrainerConfig, model: nn.Module) -> set[str]:
+    """The names of the trainable parameters ``config.freeze`` freezes.
+
+    Example:
+        >>> frozen(TrainerConfig(max_steps=1, freeze={"patterns": ["bias"]}), torch.nn.Linear(2, 1))
+        {'bias'}
+    """
+    fc = config.freeze
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    names: set[str] = set()
+    if fc.patterns:
+        mask = optim.mask_by_name(params, fc.patterns)
+        names |= {k for k, v in mask.items() if v}
+    if fc.module_indices:
+        names |= set(optim.names_by_module_index(model, fc.module_indices))
+    if fc.batchnorm:
+        names |= set(optim.batchnorm_param_names(model))
+    return names & set(params)
+
+
+def total_steps(config: TrainerConfig, dataset: Any) -> int:
+    """The run's optimizer steps: ``max_steps``, or ``epochs`` over ``dataset`` (which must have a length).
+
+    Example:
+        >>> total_steps(TrainerConfig(epochs=2, batch_size=4), list(range(10)))
+        6
+    """
+    if config.max_steps is not None:
+        return config.max_steps
+    try:
+        n = len(dataset)
+    except TypeError:
+        raise ConfigError.single(
+            "epochs",
+            "the train dataset has no length, so epochs cannot be counted",
+            "set max_steps instead",
+        ) from None
+    per_epoch = data.num_batches(
+        n,
+        config.batch_size * config.gradient_accumulation_steps,
+        config.drop_last,
+        distributed.world_size(),
+    )
+    return per_epoch * config.epochs
+
+
+def loader(
+    config: TrainerConfig,
+    dataset: Any,
+    batch_size: int,
+    *,
+    key: torch.Tensor | None,
+    device: torch.device,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+) -> data.Loader:
+    """A Loader over ``dataset`` with the config's data settings; ``key`` given: the training order
+    (``shuffle``, ``drop_last``), else evaluation's (in order, every example). Each rank reads its slice.
+
+    Example:
+        >>> len(loader(TrainerConfig(max_steps=1), list(range(10)), 4, key=None, device=torch.device("cpu")))
+        3
+    """
+    train = key is not None
+    options = {
+        "drop_last": config.drop_last if train else False,
+        "collate_fn": collate_fn,
+        "num_workers": config.num_workers,
+        "pin_memory": config.pin_memory,
+        "device": device,
+    }
+    shuffle = config.shuffle if train else False
+    return data.as_loader(dataset, batch_size, key, "Trainer", shuffle=shuffle, shard=True, options=options)
+
+
+def initial_state(
+    config: TrainerConfig, model: nn.Module, tx: optim.GradientTransformation, device: torch.device
+) -> tuple[TrainState, Any]:
+    """The run's first state (``seed``, on ``device``, fp16's loss scale, ``init_weights_from``) and the
+    report of what ``init_weights_from`` loaded (``None`` without it).
+
+    Example:
+        >>> import functrain as ft
+        >>> s, _ = initial_state(TrainerConfig(max_steps=1), torch.nn.Linear(2, 1), ft.optim.sgd(0.1), "cpu")
+        >>> int(s.step)
+        0
+    """
+    state = TrainState.create(
+        model,
+        tx,
+        seed=config.seed,
+        device=device,
+        loss_scale=LossScale.create() if config.mixed_precision == "fp16" else None,
+    )
+    if not config.init_weights_from:
+        return state, None
+    state, report = checkpoint.init_weights_from(
+        config.init_weights_from, state, tied_parameters=dict(state.tied)
+    )
+    if not report.loaded:
+        raise ConfigError.single(
+            "init_weights_from",
+            f"no weight of {config.init_weights_from} matches the model by name and shape",
+            "check the file and the model",
+        )
+    return state, report
+
+
+class Losses(NamedTuple):
+    """The Trainer's loss functions of ``(model, batch)``: training's (augmented), evaluation's, and the
+    prediction's forward."""
+
+    train: Callable[[Callable[..., Any], Any], Any]
+    eval: Callable[[Callable[..., Any], Any], Any]
+    predict: Callable[[Callable[..., Any], Any], Any]
+
+
+def replicated(state: TrainState, model: nn.Module, device: torch.device) -> tuple[TrainState, Any]:
+    """Under torchrun: ``state`` made the same on every rank (rank 0's) and the gradient reducer that
+    averages gradients in the step; else ``(state, None)``."""
+    if not distributed.is_distributed():
+        return state, None
+    return distributed.replicate(state, device=device), distributed.gradient_reducer(model=model)
+
+
+def steps(
+    config: TrainerConfig,
+    model: nn.Module,
+    losses: Losses,
+    metrics: ftmetrics.Collection | None,
+    reducer: Any = None,
+) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    """The pure train, eval and predict steps of ``config`` (precision, accumulation, frozen BatchNorm,
+    skipping non-finite steps, a sweep's ensemble) over ``losses``; ``reducer``: torchrun's gradient
+    averaging.
+
+    Example:
+        >>> import functrain as ft
+        >>> mse = lambda m, batch: torch.nn.functional.mse_loss(m(batch[0]), batch[1])
+        >>> train, _, _ = steps(TrainerConfig(max_steps=1), torch.nn.Linear(2, 1), Losses(mse, mse, mse), None)
+    """
+    precision = None if config.mixed_precision == "no" else config.mixed_precision
+    train = make_train_step(
+        model,
+        losses.train,
+        accumulate=config.gradient_accumulation_steps,
+        precision=precision,
+        metrics=None,
+        freeze_batchnorm=config.freeze.batchnorm,
+        gradient_reducer=reducer,
+    )
+    if config.nonfinite != "ignore":  # inside the ensemble's vmap below: each member skips on its own
+        train = cbs.skip_nonfinite(train)
+    evaluate = make_eval_step(model, losses.eval, metrics=metrics, precision=precision)
+    predict = make_predict_step(model, losses.predict, precision=precision)
+    if config.sweep:
+        return ensemble.step(train), ensemble.eval_step(evaluate), ensemble.predict_step(predict)
+    return train, evaluate, predict
+
+
+def compiled(config: TrainerConfig, kind: str, fn: Callable[..., Any]) -> CompiledStep:
+    """``fn`` (the ``kind`` ``"train"``/``"eval"``/``"predict"`` step) under :func:`functrain.jit` as the
+    config asks: compiled or eager, donated (training), and torch's portable compile cache in the run
+    directory (opt-in: its files are pickles)."""
+    cache_dir = Path(config.output_dir) / COMPILE_CACHE_DIR if config.compile_cache else None
+    return jit(
+        fn,
+        compile=config.compile,
+        mode=config.compile_mode,
+        donate=config.donate and kind == "train",
+        dynamic=None if kind != "train" else False,
+        cache_dir=cache_dir,
+    )
+
+
+# eval_strategy/save_strategy -> fit's eval_every/save_every, given eval_steps/save_steps
+_EVERY: dict[str, Callable[[int | None], int | str | None]] = {
+    "no": lambda steps: None,
+    "epoch": lambda steps: "epoch",
+    "steps": lambda steps: steps,
+}
+
+
+def every(config: TrainerConfig) -> dict[str, int | str | None]:
+    """``fit``'s ``eval_every``, ``save_every`` and ``log_every`` from the config's strategies.
+
+    Example:
+        >>> every(TrainerConfig(max_steps=10, eval_strategy="steps", eval_steps=5, log_steps=2))
+        {'eval_every': 5, 'save_every': 'epoch', 'log_every': 2}
+    """
+    return {
+        "eval_every": _EVERY[config.eval_strategy](config.eval_steps),
+        "save_every": _EVERY[config.save_strategy](config.save_steps),
+        "log_every": config.log_steps,
+    }
+
+
+def best_metric(config: TrainerConfig) -> str:
+    """The logged name of ``metric_for_best_model``: ``"eval/<name>"``.
+
+    Example:
+        >>> best_metric(TrainerConfig(max_steps=1))
+        'eval/loss'
+    """
+    return f"eval/{config.metric_for_best_model}"
+
+
+def manager(config: TrainerConfig) -> checkpoint.CheckpointManager:
+    """The run's checkpoint folder: retention, and the best model by ``metric_for_best_model`` when the run
+    evaluates. Opening it reads only.
+
+    Example:
+        >>> manager(TrainerConfig(output_dir="runs/a", max_steps=1)).latest()  # doctest: +SKIP
+    """
+    evaluates = config.eval_strategy != "no"
+    return checkpoint.CheckpointManager(
+        Path(config.output_dir) / config.checkpoints_dir,
+        max_to_keep=config.save_total_limit,
+        best_metric=best_metric(config) if evaluates else None,
+        best_mode=config.resolved_best_model_mode or "min",
+        keep_best=1 if evaluates else 0,
+    )
+
+
+def callbacks(config: TrainerConfig, extra: Iterable[cbs.Callback] = ()) -> list[cbs.Callback]:
+    """The callbacks the config asks for (monitors, early stopping, printing, averaged evaluation, skipped
+    steps), then ``extra``.
+
+    Example:
+        >>> [type(c).__name__ for c in callbacks(TrainerConfig(max_steps=1))]
+        ['LearningRateMonitor', 'Timer', 'Preemption', 'SkippedSteps']
+    """
+    out: list[cbs.Callback] = [cbs.LearningRateMonitor(), cbs.Timer(), cbs.Preemption()]
+    if config.early_stopping is not None:
+        es = config.early_stopping
+        out.append(
+            cbs.EarlyStopping(
+                f"eval/{es.monitor}",
+                mode=es.resolved_mode or "min",
+                patience=es.patience,
+                min_delta=es.min_delta,
+            )
+        )
+    if config.print_steps:
+        out.append(cbs.PrintMetrics(every=config.print_steps))
+    out += averaging.callbacks(config)
+    if config.nonfinite != "ignore":
+        stop = config.nonfinite == "stop"
+        every = 1 if stop else config.resolved_max_consecutive_nonfinite
+        out.append(cbs.SkippedSteps(every, every_step=stop))
+    return out + list(extra)
+
+
+# name -> (whether the config turns it on, the writer over the run's logs folder). Adding a logger is one
+# entry here (a ``report_to`` service also adds its name to that field's list, checked below).
+LOGGERS: dict[str, tuple[Callable[[TrainerConfig], bool], Callable[[TrainerConfig, Path], Any]]] = {
+    "jsonl": (lambda c: c.jsonl, lambda c, d: ftlog.JSONLWriter(d)),
+    "csv": (lambda c: c.csv, lambda c, d: ftlog.CSVWriter(d)),
+    "tensorboard": (lambda c: c.tensorboard, lambda c, d: ftlog.TensorBoardWriter(d / "tensorboard")),
+    "wandb": (
+        lambda c: "wandb" in c.report_to,
+        lambda c, d: ftlog.WandbWriter(d, name=Path(c.output_dir).name, config=c.to_dict()),
+    ),
+    "mlflow": (
+        lambda c: "mlflow" in c.report_to,
+        lambda c, d: ftlog.MLflowWriter(d, run_name=Path(c.output_dir).name),
+    ),
+}
+_SERVICES = get_args(get_args(type_hints(TrainerConfig)["report_to"])[0])
+if not set(_SERVICES) <= set(LOGGERS):  # pragma: no cover - a name in report_to with no writer
+    raise ImportError(f"functrain.trainer.build.LOGGERS has no writer for report_to {sorted(_SERVICES)}")
+
+
+def loggers(config: TrainerConfig, log_dir: Path) -> list[Any]:
+    """The writers the config turns on, over ``log_dir`` (none on ranks other than 0).
+
+    Example:
+        >>> [type(w).__name__ for w in loggers(TrainerConfig(max_steps=1), Path("runs/a/logs"))]  # doctest: +SKIP
+        ['JSONLWriter']
+    """
+    if distributed.rank() != 0:
+        return []
+    return [make(config, log_dir) for on, make in LOGGERS.values() if on(config)]

@@ -1,0 +1,341 @@
+"""`Trainer`: the facade over state, steps and loop, configured by a `TrainerConfig`.
+
+What users of Towhee's, LiBai's, Hezar's and Kornia's trainers expect — configs by name and YAML,
+callbacks, metrics, TensorBoard, early stopping, checkpoints, mixed precision, accumulation — built from
+functrain's pure pieces (:mod:`functrain.trainer.build`): every config field is consumed (none is accepted
+and ignored).
+
+Extension points, as in the seed trainers, by subclassing: ``compute_loss(model, batch)``,
+``preprocess(batch)`` and ``augment(batch)`` (run *inside* the compiled step), ``build_optimizer()``,
+and ``train_step``/``eval_step`` themselves (pure functions of ``(state, batch)``; the default ones are
+built by :func:`functrain.make_train_step`).
+
+Example:
+    >>> import torch, functrain as ft
+    >>> model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
+    >>> config = ft.TrainerConfig(output_dir="runs/digits", epochs=3, metrics=["accuracy"], compile=False)
+    >>> trainer = ft.Trainer(model, config, train_dataset=train_set, eval_dataset=val_set)
+    >>> result = trainer.train()
+    >>> trainer.evaluate(test_set)["eval/accuracy"]
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from functrain import callbacks as cbs
+from functrain import checkpoint, distributed, ensemble, optim
+from functrain.config import ConfigError, TrainerConfig
+from functrain.loop import FitResult, _onto, data_key, evaluate, fit, predict
+from functrain.state import TrainState
+from functrain.step import _inputs_and_target
+from functrain.trainer import averaging, batches, build, run_dir, sweep
+
+__all__ = ["Trainer"]
+
+
+class Trainer:
+    """Train a model as configured: ``Trainer(model, config, train_dataset, eval_dataset).train()``.
+
+    Args:
+        model: the ``nn.Module`` (its weights start the run; it is not modified).
+        config: a :class:`TrainerConfig`, a dict, or a YAML path.
+        train_dataset, eval_dataset: map-style datasets (``(inputs, target)`` samples or dicts with
+            input/target keys), iterable datasets or ``DataLoader``s.
+        data_collator: builds a batch from a list of samples.
+        loss_fn: the loss of a batch, ``loss_fn(model, batch) -> loss`` or ``(loss, {"preds": ...,
+            "target": ...})``, as everywhere in functrain (``make_train_step``, ``fit``); it replaces
+            :meth:`compute_loss`'s default. Without it: a batch dict holding ``labels`` given to a model
+            whose ``forward`` takes ``labels`` (Hugging Face's convention) runs ``model(**batch)`` and
+            trains on the output's ``loss``, with ``logits`` and ``labels`` for the metrics; other batches
+            are ``(inputs, target)`` for ``criterion``.
+        criterion: ``criterion(preds, target) -> loss`` for ``(inputs, target)`` batches; default:
+            ``config.loss`` (a Hugging Face model's own loss is used unless ``config.loss`` or this is set).
+        loss: deprecated alias of ``criterion`` (a ``DeprecationWarning``; removed in the next release).
+        optimizer: a :class:`functrain.optim.GradientTransformation`; default: ``config.optimizer`` and
+            ``config.scheduler``.
+        callbacks: extra :class:`functrain.callbacks.Callback` objects for this trainer's runs.
+
+    Example:
+        >>> trainer = Trainer(model, {"output_dir": "runs/a", "epochs": 2, "compile": False}, train_set)
+        >>> trainer.train().state.step
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: TrainerConfig | Mapping[str, Any] | str | os.PathLike[str],
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        *,
+        data_collator: Callable[[list[Any]], Any] | None = None,
+        loss_fn: Callable[[Callable[..., Any], Any], Any] | None = None,
+        criterion: Callable[[Any, Any], torch.Tensor] | None = None,
+        optimizer: optim.GradientTransformation | None = None,
+        callbacks: Iterable[cbs.Callback] = (),
+        loss: Callable[[Any, Any], torch.Tensor] | None = None,
+    ) -> None:
+        self.config = cfg = _as_config(config)
+        _check_arguments(cfg, model, eval_dataset)
+        self.model, self.data_collator = model, data_collator
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        criterion = batches.criterion_argument(criterion, loss, loss_fn)
+        self.loss_fn = loss_fn
+        # A model that takes labels computes its own loss (Hugging Face); an explicit criterion wins.
+        self.model_takes_labels = batches.forward_takes_labels(model)
+        explicit = criterion is not None or cfg.loss != type(cfg.loss)()
+        self.criterion = criterion if criterion is not None else build.criterion(cfg)
+        self._use_model_loss = self.model_takes_labels and not explicit
+        self.device = build.device(cfg)
+        self.extra_callbacks = list(callbacks)
+        self.metrics = build.metrics(cfg)
+        self._optimizer_override = optimizer
+        self.frozen = build.frozen(cfg, model)
+        self.total_steps = build.total_steps(cfg, train_dataset)
+        self.schedule = build.schedule(cfg, self.total_steps)
+        self.tx = optimizer if optimizer is not None else self.build_optimizer()
+        if cfg.sweep:
+            self.state, self.sweep_members = sweep.state(cfg, model, self.tx, self.device)
+        else:
+            self.state, self.init_report = build.initial_state(cfg, model, self.tx, self.device)
+        self._build_steps()
+        self._jitted: dict[str, Any] = {}
+        self.result: FitResult | None = None
+
+    # ------------------------------------------------------------------------------ extension points
+
+    def compute_loss(self, model: Callable[..., Any], batch: Any) -> Any:
+        """The loss of one batch: ``(loss, {"preds": ..., "target": ...})``. Override for custom models,
+        or pass ``Trainer(loss_fn=...)``.
+
+        ``model`` runs the network with the state's weights; the batch has been through
+        :meth:`preprocess` (and :meth:`augment` when training). By default: ``loss_fn(model, batch)``
+        when given; a batch dict with ``labels`` for a model that takes them: ``model(**batch)``, its
+        output's ``loss``, ``logits`` as the predictions (Hugging Face); else ``criterion(model(inputs),
+        target)``.
+        """
+        if self.loss_fn is not None:
+            return self.loss_fn(model, batch)
+        if self.model_takes_labels and isinstance(batch, Mapping) and "labels" in batch:
+            own = None if self._use_model_loss else self.criterion
+            return batches.labels_loss(model, batch, own, type(self.model).__name__)
+        x, y = _inputs_and_target(batch)
+        preds = model(x)
+        return self.criterion(preds, y), {"preds": preds, "target": y}
+
+    def preprocess(self, batch: Any) -> Any:
+        """Batch -> batch, inside the compiled train and eval steps (normalisation, dtype casts)."""
+        return batch
+
+    def augment(self, batch: Any) -> Any:
+        """Batch -> batch, inside the compiled train step only (random augmentation: draw from torch's
+        global generator, which :func:`functrain.jit` seeds from the state before every step)."""
+        return batch
+
+    def build_optimizer(self) -> optim.GradientTransformation:
+        """The optimizer from the config (override to build your own)."""
+        params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        return build.optimizer(self.config, self.schedule, params, self.frozen)
+
+    def train_step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
+        """One pure training step (override to change it; it is still compiled as one graph)."""
+        return self._train_step(state, batch)
+
+    def eval_step(self, state: TrainState, batch: Any) -> dict[str, Any]:
+        """One pure evaluation step."""
+        return self._eval_step(state, batch)
+
+    # ------------------------------------------------------------------------------ public API
+
+    def train(
+        self, *, additional_epochs: int | None = None, additional_steps: int | None = None
+    ) -> FitResult:
+        """Run training as configured; returns the :class:`functrain.FitResult` (``self.state`` is updated).
+
+        Refuses to start in an ``output_dir`` holding an earlier run unless ``overwrite_output_dir`` or
+        ``resume_from_checkpoint`` says what to do with it. Saves the resolved config there, once the run
+        has been checked against what the folder holds (the resumed checkpoint restored onto this model,
+        the data non-empty): a refused run writes nothing there.
+
+        ``epochs``/``max_steps`` are the run's total length: resuming a run that reached it, or that early
+        stopping ended, returns its final state at once with a :class:`functrain.RunFinishedWarning`.
+        ``additional_epochs``/``additional_steps`` train that much more from the current (or resumed)
+        step instead, past an early stop too (the learning-rate schedule keeps its configured horizon).
+
+        Example:
+            >>> trainer.train()  # epochs=10
+            >>> trainer.train(additional_epochs=5)  # 5 more, with resume_from_checkpoint: true
+        """
+        cfg = self.config
+        if self.train_dataset is None:
+            raise ValueError("Trainer.train: no train_dataset was given")
+        train_loader = self._loader(
+            self.train_dataset, cfg.batch_size * cfg.gradient_accumulation_steps, train=True
+        )
+        train_loader.require_batches("Trainer.train")
+        out = Path(cfg.output_dir)
+        self._check_output_dir(out)
+        manager = self.checkpoint_manager()
+        resume = run_dir.resume_argument(cfg)
+        distributed.barrier()  # every rank checks the directory before rank 0 writes into it
+        loggers = self._loggers(out / cfg.logs_dir)  # they write nothing before their first line
+        start = run_dir.start_callback(cfg, out, self.model, self.frozen)
+        extending = additional_epochs is not None or additional_steps is not None
+        try:
+            train_step, eval_step, eval_data = self._jit("train", self.train_step), None, None
+            if cfg.eval_strategy != "no":
+                eval_step = self._jit("eval", self.eval_step)
+                eval_data = self._loader(self.eval_dataset, cfg.resolved_eval_batch_size, train=False)
+            result = fit(
+                self.state,
+                train_step,
+                train_loader,
+                eval_step=eval_step,
+                eval_data=eval_data,
+                epochs=None if extending else cfg.epochs,
+                max_steps=None if extending else cfg.max_steps,
+                additional_epochs=additional_epochs,
+                additional_steps=additional_steps,
+                **build.every(cfg),
+                callbacks=[start, *build.callbacks(cfg, self.extra_callbacks)],
+                loggers=loggers,
+                checkpoints=manager,
+                resume=resume,
+                progress_bar=cfg.progress_bar,
+            )
+        finally:  # also when training fails or is interrupted: W&B finishes its run, MLflow marks it
+            for lg in loggers:  # finished, files are closed
+                lg.close()
+        if cfg.load_best_model_at_end and manager.best() is not None:
+            result.state = _with_best(cfg, result.state, manager.restore("best")["state"])
+        self.state, self.result = result.state, result
+        if cfg.sweep and distributed.is_main_process():
+            self.sweep_best, self.sweep_results = sweep.report(cfg, result.history, self.sweep_members, out)
+        return result
+
+    def evaluate(self, dataset: Any = None) -> dict[str, float]:
+        """Evaluate the current state on ``dataset`` (default: the eval dataset); example-weighted metrics.
+
+        Example:
+            >>> trainer.evaluate(test_set)
+            {'eval/loss': 0.08, 'eval/accuracy': 0.977}
+        """
+        dataset = dataset if dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("Trainer.evaluate: give a dataset (no eval_dataset was configured)")
+        loader = self._loader(dataset, self.config.resolved_eval_batch_size, train=False)
+        return evaluate(
+            averaging.eval_state(self.config, self.state), self._jit("eval", self.eval_step), loader
+        )
+
+    def predict(self, dataset: Any) -> Any:
+        """The model's outputs on every example of ``dataset``, concatenated (inputs taken as in training);
+        after a sweep, ``{"members": [examples, n, ...], "mean": [examples, ...]}``."""
+        loader = self._loader(dataset, self.config.resolved_eval_batch_size, train=False)
+        state = averaging.eval_state(self.config, self.state)
+        return predict(state, self._jit("predict", self._predict_step), loader, collect=True)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Save the train state (params, buffers, optimizer state, step, key) as a msgpack checkpoint."""
+        metadata = {"tied_parameters": dict(self.state.tied)}
+        checkpoint.save(path, self.state, step=ensemble.run_step(self.state), metadata=metadata)
+
+    def load(self, path: str | os.PathLike[str]) -> TrainState:
+        """Load a state saved by :meth:`save` (or a checkpoint of ``fit``) onto this trainer's state."""
+        raw = checkpoint.restore(path)
+        raw = raw.get("state", raw) if isinstance(raw, dict) else raw
+        self.state = _onto(self.state, raw)
+        return self.state
+
+    def checkpoint_manager(self) -> checkpoint.CheckpointManager:
+        """The run's checkpoint folder as ``train()`` writes it (:func:`functrain.trainer.build.manager`):
+        the CLI's eval/predict find the latest or best checkpoint of a run with it."""
+        return build.manager(self.config)
+
+    def best_member(self) -> TrainState:
+        """After a sweep (``config.sweep``): the winning member's state, by the final
+        ``metric_for_best_model`` (the training loss when nothing is evaluated).
+
+        Example:
+            >>> trainer = Trainer(model, TrainerConfig(epochs=3, sweep={"optimizer.lr": [1e-3, 3e-3]}), train, val)
+            >>> trainer.train(); best = trainer.best_member()
+        """
+        if not self.config.sweep:
+            raise ValueError("Trainer.best_member: this run is not a sweep (set config.sweep)")
+        if self.result is None:
+            raise ValueError("Trainer.best_member: train first")
+        return sweep.best_member(self.state, self.sweep_best)
+
+    # ------------------------------------------------------------------------------ building
+
+    def _build_steps(self) -> None:
+        self.state, reducer = build.replicated(self.state, self.model, self.device)
+        self._train_step, self._eval_step, self._predict_step = build.steps(
+            self.config, self.model, _losses(self), self.metrics, reducer
+        )
+
+    def _jit(self, kind: str, fn: Callable[..., Any]) -> Any:
+        if kind not in self._jitted:
+            self._jitted[kind] = build.compiled(self.config, kind, fn)
+            # the loop finds these on the step (a bound method carries no attributes of its own)
+            self._jitted[kind].metrics = getattr(self._eval_step, "metrics", None) if kind == "eval" else None
+            self._jitted[kind].gradient_reducer = getattr(self._train_step, "gradient_reducer", None)
+        return self._jitted[kind]
+
+    def _loader(self, dataset: Any, batch_size: int, *, train: bool) -> Any:
+        key = data_key(self.state) if train else None
+        return build.loader(
+            self.config, dataset, batch_size, key=key, device=self.device, collate_fn=self.data_collator
+        )
+
+    def _loggers(self, log_dir: Path) -> list[Any]:
+        return build.loggers(self.config, log_dir)
+
+    def _check_output_dir(self, out: Path) -> None:
+        run_dir.check(self.config, out)
+
+
+def _losses(trainer: Trainer) -> build.Losses:
+    """The Trainer's extension points (``preprocess``, ``augment``, ``compute_loss``) as the steps' losses."""
+
+    def train_loss(model: Callable[..., Any], batch: Any) -> Any:
+        return trainer.compute_loss(model, trainer.augment(trainer.preprocess(batch)))
+
+    def eval_loss(model: Callable[..., Any], batch: Any) -> Any:
+        return trainer.compute_loss(model, trainer.preprocess(batch))
+
+    def forward(model: Callable[..., Any], batch: Any) -> Any:
+        return batches.predict_forward(model, trainer.preprocess(batch), trainer.model_takes_labels)
+
+    return build.Losses(train_loss, eval_loss, forward)
+
+
+def _with_best(config: TrainerConfig, state: TrainState, best: Mapping[str, Any]) -> TrainState:
+    """``state`` with the best checkpoint's weights (and their average with them: ``config.ema``)."""
+    fields = averaging.restored_fields(config)
+    return state.replace(**{f: _onto(getattr(state, f), best[f], f"state.{f}") for f in fields})
+
+
+def _as_config(config: TrainerConfig | Mapping[str, Any] | str | os.PathLike[str]) -> TrainerConfig:
+    if isinstance(config, TrainerConfig):
+        return config
+    if isinstance(config, Mapping):
+        return TrainerConfig.from_dict(dict(config))
+    return TrainerConfig.from_yaml(config)
+
+
+def _check_arguments(config: TrainerConfig, model: Any, eval_dataset: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"Trainer: model must be an nn.Module, got {type(model).__name__}")
+    if config.eval_strategy != "no" and eval_dataset is None:
+        raise ConfigError.single(
+            "eval_strategy",
+            f"eval_strategy={config.eval_strategy!r} but no eval_dataset was given",
+            "pass eval_dataset=... or set eval_strategy: 'no'",
+        )
