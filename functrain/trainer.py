@@ -41,7 +41,15 @@ from functrain.loop import FitResult, _onto, data_key, evaluate, fit
 from functrain.model_summary import summary
 from functrain.precision import LossScale
 from functrain.state import TrainState
-from functrain.step import _INPUT_KEYS, _inputs_and_target, make_eval_step, make_predict_step, make_train_step
+from functrain.step import (
+    _INPUT_KEYS,
+    StepSpec,
+    _inputs_and_target,
+    make_eval_step,
+    make_predict_step,
+    make_train_step,
+    spec_of,
+)
 
 __all__ = ["Trainer", "build_optimizer", "build_schedule", "resolve_device"]
 
@@ -621,9 +629,11 @@ class Trainer:
                 # torch's portable compile cache in the run directory (opt-in: its files are pickles)
                 cache_dir=Path(cfg.output_dir) / COMPILE_CACHE_DIR if cfg.compile_cache else None,
             )
-            # the loop finds these on the step (a bound method carries no attributes of its own)
-            self._jitted[kind].metrics = getattr(self._eval_step, "metrics", None) if kind == "eval" else None
-            self._jitted[kind].gradient_reducer = getattr(self._train_step, "gradient_reducer", None)
+            # the loop reads the step's spec (a bound method carries none of its own)
+            self._jitted[kind].spec = StepSpec(
+                metrics=spec_of(self._eval_step).metrics if kind == "eval" else None,
+                gradient_reducer=spec_of(self._train_step).gradient_reducer,
+            )
         return self._jitted[kind]
 
     def _loader(self, dataset: Any, batch_size: int, *, train: bool) -> data.Loader:
