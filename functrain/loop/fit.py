@@ -1,15 +1,7 @@
 """``fit``: fold a compiled train step over the batches, the host work done by a :class:`Run`.
 
-Example:
-    >>> import torch, functrain as ft
-    >>> model = torch.nn.Linear(4, 2)
-    >>> data = [(torch.randn(4), torch.tensor(i % 2)) for i in range(64)]
-    >>> state = ft.TrainState.create(model, ft.optim.sgd(0.1))
-    >>> loss_fn = ft.supervised_loss(torch.nn.functional.cross_entropy)
-    >>> result = ft.fit(state, ft.jit(ft.make_train_step(model, loss_fn), compile=False), data,
-    ...                 batch_size=16, epochs=2, progress_bar=False)
-    >>> int(result.state.step)
-    8
+The loop: the batches, the step, and the :class:`Run` before and after it
+(callbacks, logging, evaluation and checkpoints when due). The package's docstring has a runnable example.
 """
 
 from __future__ import annotations

@@ -76,6 +76,8 @@ class Run:
         self.stop_reason = ""
         self.stopping = False
         self._stream: Any = None
+        self._batches: Any = None
+        self._index = 0
         self._next: DataPosition = self.position
 
     # ------------------------------------------------------------------------------ open and resume
@@ -229,16 +231,19 @@ class Run:
             return iter(())
         stream = self.loader.iterate(self.position, num_epochs=self.num_epochs)
         self._stream = noting_steps(stream, lambda: self.step + 1)
-        return (self._arrive(position, batch) for position, batch in self._stream)
+        self._batches = self._arriving(self._stream)
+        return self._batches
 
-    def _arrive(self, position: DataPosition, batch: Any) -> Any:
-        self._next = position
-        return batch
+    def _arriving(self, stream: Iterator[Any]) -> Iterator[Any]:
+        for position, batch in stream:
+            self._next = position
+            yield batch
 
     def before_step(self, state: Any, batch: Any) -> Any:
         """``epoch_begin`` at an epoch's first batch, then ``step_begin``."""
         ctx = self.ctx
         epoch, index = self._next.as_tuple()
+        self._index = index
         ctx.epoch, ctx.batch_index = epoch, index - 1
         if index == 1:
             state = self.events("epoch_begin", state, ctx)
@@ -251,8 +256,7 @@ class Run:
         """Count the step, fire ``step_end``, then log, end the epoch, evaluate and save when due."""
         ctx = self.ctx
         self.step += 1
-        self.position = self._next
-        index = self.position.as_tuple()[1]
+        self.position, index = self._next, self._index
         ctx.step, ctx.batch_index, ctx.metrics = self.step, index, metrics
         ctx.compiles = self.compiles()
         self.window.add(metrics)
@@ -353,6 +357,7 @@ class Run:
     def close(self) -> None:
         """Stop the prefetch thread now, flush the writers, wait for asynchronous saves."""
         if self._stream is not None:
+            self._batches.close()
             self._stream.close()  # now, not when the generator is collected
         for lg in self.loggers:
             lg.flush()
