@@ -34,6 +34,7 @@ from functrain.compile.guards import skip_library_guards
 from functrain.compile.traceable import traceable
 from functrain.distributed.env import rank as distributed_rank
 from functrain.remat import RematRandomnessError
+from functrain.step import spec_of
 
 __all__ = ["CompiledStep", "DonatedStateError", "GraphBreakError", "RecompileError", "jit"]
 # The compile internals live in functrain.compile; these names stay importable from here (the torch
@@ -116,7 +117,8 @@ class CompiledStep:
         self._donated: weakref.WeakSet[Any] = weakref.WeakSet()
         self._warned = False
         functools.update_wrapper(self, fn)
-        self._model = getattr(fn, "model", None)  # what functrain.compile.traceable adapts (steps carry it)
+        self.spec = spec_of(fn)  # what the step says it is (functrain.step.StepSpec)
+        self._model = self.spec.model  # what functrain.compile.traceable adapts
         target = wrappers.with_own_code(wrappers.donating(fn) if donate else wrappers.keeping_layouts(fn))
         self._eager = target
         # After the first compile, calls whose inputs pass a cached graph's guards skip dynamo's frame
@@ -288,9 +290,10 @@ class CompiledStep:
 def _settling_forward(step: Callable[..., Any]) -> Callable[..., Any] | None:
     """What runs a step's model once eagerly before its first trace: a train step's ``settle`` (its loss
     function's forward, without gradients); an eval or predict step of a module is a forward itself."""
-    settle = getattr(step, "settle", None)
-    if settle is None and getattr(step, "kind", None) in ("eval", "predict"):
-        settle = step if isinstance(getattr(step, "model", None), torch.nn.Module) else None
+    spec = spec_of(step)
+    settle = spec.settle
+    if settle is None and spec.kind in ("eval", "predict"):
+        settle = step if isinstance(spec.model, torch.nn.Module) else None
     return settle
 
 

@@ -28,8 +28,9 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -44,10 +45,13 @@ from functrain.state import model_variables
 
 __all__ = [
     "LossFn",
+    "StepSpec",
+    "attach_spec",
     "make_eval_step",
     "make_predict_step",
     "make_train_step",
     "num_examples",
+    "spec_of",
     "split_batch",
     "supervised_loss",
 ]
@@ -55,6 +59,88 @@ __all__ = [
 Batch = Any
 LossFn = Callable[[Callable[..., Any], Batch], Any]
 ApplyFn = Callable[..., Any]  # apply(params, buffers, *inputs) -> outputs
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepSpec:
+    """What a step is, said once: ``make_*_step`` and ``functrain.ensemble`` put it on the step as
+    ``step.spec`` (and :func:`functrain.jit` keeps it on the compiled step), so that ``fit``, ``evaluate``
+    and ``jit`` ask it instead of probing the function.
+
+    Attributes:
+        kind: ``"train"``, ``"eval"``, ``"predict"``, or ``"custom"`` (a function of the user's own).
+        model: the module (or apply function) the step runs.
+        metrics: the metric collection whose state the step updates (``state.metrics`` for a train step).
+        gradient_reducer: data parallelism's all-reduce of the gradients (``None``: one process).
+        settle: what ``jit`` runs eagerly once before the first trace (a train step's forward).
+        members: the step runs every member of an ensemble state at once (``functrain.ensemble``).
+        sharding: how the step's state is laid out over the devices (``None``: replicated).
+
+    Example:
+        >>> step = ft.make_train_step(torch.nn.Linear(4, 3), ft.supervised_loss(F.cross_entropy))
+        >>> step.spec.kind, step.spec.members
+        ('train', False)
+    """
+
+    kind: Literal["train", "eval", "predict", "custom"] = "custom"
+    model: Any = None
+    metrics: Any = None
+    gradient_reducer: Any = None
+    settle: Callable[..., Any] | None = dataclasses.field(default=None, repr=False)
+    members: bool = False
+    sharding: Any = None
+
+    def check(self, state: Any, who: str = "fit") -> None:
+        """Refuse a train step that cannot train ``state`` here: processes that would drift apart (no
+        gradient all-reduce over them), or an ensemble state given a step for one model."""
+        if self.kind != "train":
+            return
+        from functrain import distributed
+        from functrain.ensemble.stacked import is_ensemble, size
+
+        if distributed.is_distributed():
+            reducer = self.gradient_reducer
+            if reducer is None or getattr(reducer, "world_size", 0) != distributed.world_size():
+                raise ValueError(
+                    f"{who}: {distributed.world_size()} processes train, but the train step does not "
+                    "all-reduce its gradients over them, so the ranks would drift apart; build it with "
+                    "make_train_step(..., gradient_reducer=functrain.distributed.gradient_reducer(model=model)), "
+                    "created after functrain.distributed.initialize()"
+                )
+        if is_ensemble(state) and not self.members:
+            raise ValueError(
+                f"{who}: the state is an ensemble of {size(state)} members, but the train step runs one "
+                "model; wrap it: ft.jit(ft.ensemble.step(train_step)) (and ft.ensemble.eval_step for "
+                "evaluation)"
+            )
+
+    def naming(self, state: Any) -> Any:
+        """How this step's metrics on ``state`` are named in the logs
+        (:class:`functrain.logging.members.MetricNaming`): the ensemble supplies its per-member naming."""
+        from functrain.ensemble.stacked import metric_naming
+
+        return metric_naming(state)
+
+
+def attach_spec(step: Callable[..., Any], spec: StepSpec, *aliases: str) -> Callable[..., Any]:
+    """``step`` with ``step.spec = spec``; ``aliases`` name fields also readable as ``step.<field>``, as
+    steps carried them before the spec (deprecated: read ``step.spec.<field>``; kept for one release)."""
+    step.spec = spec  # type: ignore[attr-defined]
+    for name in aliases:
+        setattr(step, name, getattr(spec, name))
+    return step
+
+
+def spec_of(step: Callable[..., Any]) -> StepSpec:
+    """The :class:`StepSpec` a step carries (``step.spec``), or a ``"custom"`` one for a plain function.
+
+    Example:
+        >>> spec_of(lambda state, batch: (state, {})).kind
+        'custom'
+    """
+    spec = getattr(step, "spec", None)
+    return spec if isinstance(spec, StepSpec) else StepSpec()
+
 
 _INPUT_KEYS = ("input", "inputs", "x", "image", "images", "pixel_values", "features")
 _TARGET_KEYS = ("target", "targets", "label", "labels", "y", "mask", "masks")
@@ -439,12 +525,14 @@ def make_train_step(
         )
         return new_state, out
 
-    train_step.kind = "train"  # type: ignore[attr-defined]
-    train_step.metrics = metrics  # type: ignore[attr-defined]
-    train_step.model = model  # type: ignore[attr-defined]
-    train_step.gradient_reducer = gradient_reducer  # type: ignore[attr-defined]
-    train_step.settle = settle if isinstance(model, nn.Module) else None  # type: ignore[attr-defined]
-    return train_step
+    spec = StepSpec(
+        kind="train",
+        model=model,
+        metrics=metrics,
+        gradient_reducer=gradient_reducer,
+        settle=settle if isinstance(model, nn.Module) else None,
+    )
+    return attach_spec(train_step, spec, "metrics", "gradient_reducer")
 
 
 def _where_leaf(pred: torch.Tensor) -> Callable[[Any, Any], Any]:
@@ -510,10 +598,7 @@ def make_eval_step(
             out["preds"] = aux.get("preds")
         return out
 
-    eval_step.kind = "eval"  # type: ignore[attr-defined]
-    eval_step.metrics = metrics  # type: ignore[attr-defined]
-    eval_step.model = model  # type: ignore[attr-defined]
-    return eval_step
+    return attach_spec(eval_step, StepSpec(kind="eval", model=model, metrics=metrics), "metrics")
 
 
 def make_predict_step(
@@ -554,6 +639,4 @@ def make_predict_step(
         with torch.no_grad(), _autocast(_device_of(state.params), cast):
             return fwd(bind(state.params, state.buffers), batch)
 
-    predict_step.kind = "predict"  # type: ignore[attr-defined]
-    predict_step.model = model  # type: ignore[attr-defined]
-    return predict_step
+    return attach_spec(predict_step, StepSpec(kind="predict", model=model))

@@ -1,6 +1,7 @@
 """Checkpoints as pytrees: msgpack files (no pickle), atomic writes, bit-exact restore.
 
-- :func:`save` / :func:`restore` / :func:`read_header`: one file, any functrain pytree.
+- :func:`save` / :func:`restore` / :func:`read_header`: one file, any functrain pytree;
+  :func:`restore_onto`: a restored tree's plain containers back onto a target (a train state), checked.
 - :class:`CheckpointManager`: a folder of checkpoints with retention (last N, every K, best K), atomic
   and optionally asynchronous saves, ``restore("latest" | "best" | step)``.
 - :func:`init_weights_from`: partial restore of matching parameters, for fine-tuning.
@@ -32,6 +33,7 @@ _lazy.install(
         "CheckpointManager": "functrain.checkpoint.manager",
         **dict.fromkeys(("InitReport", "init_weights_from"), "functrain.checkpoint.partial"),
         "load_state_dict": "functrain.checkpoint.sources",
+        "restore_onto": "functrain.checkpoint.onto",
     },
 )
 
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
     from functrain.checkpoint.format import CheckpointHeader, TensorInfo
     from functrain.checkpoint.interop import export, to_state_dict
     from functrain.checkpoint.manager import CheckpointManager
+    from functrain.checkpoint.onto import restore_onto
     from functrain.checkpoint.partial import InitReport, init_weights_from
     from functrain.checkpoint.sources import load_state_dict
 
@@ -55,6 +58,7 @@ __all__ = [
     "load_state_dict",
     "read_header",
     "restore",
+    "restore_onto",
     "save",
     "to_state_dict",
 ]

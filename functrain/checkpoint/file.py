@@ -24,6 +24,7 @@ from functrain.checkpoint import format as fmt
 from functrain.checkpoint import structure
 from functrain.checkpoint.errors import CheckpointError
 from functrain.checkpoint.format import CheckpointHeader, TensorInfo
+from functrain.checkpoint.onto import restore_onto
 
 __all__ = ["read_header", "restore", "save"]
 
@@ -178,16 +179,7 @@ def restore(path: PathLike, target: Any = None) -> Any:
                 f"{name} does not match the target ({len(problems)} problem(s)); restore without a target "
                 f"to inspect it, or build a target of the saved shape:\n  {listing}"
             )
-        index_of = {id(info): i for i, info in enumerate(header.tensors)}
         loaded = [None] * len(header.tensors)
         for index, tensor in fmt.read_tensors(file, header, name=name):
             loaded[index] = tensor
-
-    def leaf(leaf_path: structure.Path, old: Any) -> Any:
-        value = saved[leaf_path]
-        if not isinstance(value, TensorInfo):
-            return value
-        tensor = loaded[index_of[id(value)]]
-        return tensor if old.device == tensor.device else tensor.to(old.device)
-
-    return structure.rebuild(target, leaf)
+    return restore_onto(target, structure.decode(header.tree, loaded, name=name), where=name)

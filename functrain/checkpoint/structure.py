@@ -30,7 +30,7 @@ import torch
 from functrain import tree
 from functrain.checkpoint.errors import CheckpointError
 
-__all__ = ["Path", "decode", "encode", "leaves_with_paths", "rebuild"]
+__all__ = ["Path", "children", "decode", "encode", "leaves_with_paths", "rebuild", "rebuild_node"]
 
 Path = tuple[Any, ...]
 _KEY_TYPES = (str, int, float, bool, type(None))
@@ -260,20 +260,31 @@ def rebuild(target: Any, leaf_fn: Callable[[Path, Any], Any]) -> Any:
         if found is None:
             return leaf_fn(path, node)
         kind, items = found
-        values = [walk(child, (*path, key)) for key, child in items]
-        if kind == "struct":
-            return dataclasses.replace(node, **{key: v for (key, _), v in zip(items, values)})
-        if kind == "namedtuple":
-            return type(node)(*values)
-        if kind == "dict":
-            pairs = [(key, v) for (key, _), v in zip(items, values)]
-            if isinstance(node, defaultdict):
-                return defaultdict(node.default_factory, pairs)
-            if isinstance(node, OrderedDict):
-                return type(node)(pairs)
-            return dict(pairs) if type(node) is dict else type(node)(pairs)
-        if isinstance(node, deque):
-            return deque(values, maxlen=node.maxlen)
-        return type(node)(values)
+        return rebuild_node(node, kind, items, [walk(child, (*path, key)) for key, child in items])
 
     return walk(target, ())
+
+
+def children(obj: Any) -> tuple[str, list[tuple[Any, Any]]] | None:
+    """``(kind, [(key, child), ...])`` for a container (dict, list, tuple, named tuple, struct), ``None``
+    for a leaf: what :func:`encode` walks."""
+    return _children(obj)
+
+
+def rebuild_node(node: Any, kind: str, items: list[tuple[Any, Any]], values: list[Any]) -> Any:
+    """``node`` (a container, whose ``_children`` are ``kind, items``) with its children replaced by
+    ``values``, in order; its type, struct static fields and dict subclass kept."""
+    if kind == "struct":
+        return dataclasses.replace(node, **{key: v for (key, _), v in zip(items, values)})
+    if kind == "namedtuple":
+        return type(node)(*values)
+    if kind == "dict":
+        pairs = [(key, v) for (key, _), v in zip(items, values)]
+        if isinstance(node, defaultdict):
+            return defaultdict(node.default_factory, pairs)
+        if isinstance(node, OrderedDict):
+            return type(node)(pairs)
+        return dict(pairs) if type(node) is dict else type(node)(pairs)
+    if isinstance(node, deque):
+        return deque(values, maxlen=node.maxlen)
+    return type(node)(values)

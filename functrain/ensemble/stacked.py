@@ -28,10 +28,22 @@ import torch
 from torch import nn
 
 from functrain import optim, tree
+from functrain.logging.members import MemberNaming, MetricNaming
 from functrain.optim import GradientTransformation
 from functrain.state import TrainState
 
-__all__ = ["create", "initialise", "is_ensemble", "member", "members", "run_key", "run_step", "size", "stack"]
+__all__ = [
+    "create",
+    "initialise",
+    "is_ensemble",
+    "member",
+    "members",
+    "metric_naming",
+    "run_key",
+    "run_step",
+    "size",
+    "stack",
+]
 
 
 def is_ensemble(state: Any) -> bool:
@@ -57,6 +69,17 @@ def size(state: Any) -> int:
             "not an ensemble state: its step is 0-d; build one with functrain.ensemble.create(...) or stack([...])"
         )
     return int(state.step.shape[0])
+
+
+def metric_naming(state: Any) -> MetricNaming:
+    """How the loop names ``state``'s metrics: each member's, the mean, best and worst for an ensemble
+    (:class:`~functrain.logging.members.MemberNaming`), plain scalars for one model.
+
+    Example:
+        >>> metric_naming(create(torch.nn.Linear(2, 1), ft.optim.sgd(0.1), n=3)).shape
+        (3,)
+    """
+    return MemberNaming(size(state)) if is_ensemble(state) else MetricNaming()
 
 
 def run_key(state: Any) -> torch.Tensor:

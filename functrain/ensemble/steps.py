@@ -34,6 +34,7 @@ from torch.func import vmap
 
 from functrain import _foreach, tree
 from functrain.ensemble.stacked import size
+from functrain.step import StepSpec, attach_spec, spec_of
 
 __all__ = ["MemberMetrics", "eval_step", "predict_step", "step", "vmap_members"]
 
@@ -119,12 +120,15 @@ class MemberMetrics:
 
 
 def _carry(target: Callable[..., Any], source: Callable[..., Any], kind: str) -> Any:
-    metrics = getattr(source, "metrics", None)
-    target.kind = kind  # type: ignore[attr-defined]
-    target.model = getattr(source, "model", None)  # type: ignore[attr-defined]
-    target.metrics = MemberMetrics(metrics) if metrics is not None else None  # type: ignore[attr-defined]
-    target.ensemble = True  # type: ignore[attr-defined]
-    return target
+    """``target`` with the spec of ``source``'s ensemble form: per-member metrics, no gradient reducer."""
+    inner = spec_of(source)
+    spec = StepSpec(
+        kind=kind,  # type: ignore[arg-type]
+        model=inner.model,
+        metrics=MemberMetrics(inner.metrics) if inner.metrics is not None else None,
+        members=True,
+    )
+    return attach_spec(target, spec, "metrics", *(("gradient_reducer",) if kind == "train" else ()))
 
 
 def step(
@@ -145,7 +149,7 @@ def step(
     Example:
         >>> ens_step = ft.jit(step(ft.make_train_step(model, loss)))
     """
-    if getattr(train_step, "gradient_reducer", None) is not None:
+    if spec_of(train_step).gradient_reducer is not None:
         raise ValueError(
             "ensemble.step: the train step all-reduces gradients (data parallelism), which an ensemble "
             "step does not support; build it without gradient_reducer"
@@ -160,7 +164,6 @@ def step(
         size(state)  # a clear error for a single model's state
         return mapped(state, batch)
 
-    ensemble_train_step.gradient_reducer = None  # type: ignore[attr-defined]
     return _carry(ensemble_train_step, train_step, "train")
 
 

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["expand_members", "lower_is_better", "member_key"]
+__all__ = ["MemberNaming", "MetricNaming", "expand_members", "lower_is_better", "member_key"]
 
 _LOWER_IS_BETTER = ("loss", "error", "perplexity", "mse", "mae", "nll", "norm", "time")
 
@@ -61,3 +61,51 @@ def expand_members(values: Mapping[str, Any], members: int | None) -> dict[str, 
         for i in range(members):
             out[member_key(name, i)] = v[i]
     return out
+
+
+class MetricNaming:
+    """How one model's metrics become logged names: nested dicts -> ``prefix/name``, a vector metric (per
+    class) -> ``name_0``, ``name_1``...; each value a scalar (``shape == ()``).
+
+    Example:
+        >>> MetricNaming().flatten("eval", {"f1": torch.tensor([0.5, 1.0])})
+        {'eval/f1_0': tensor(0.5000), 'eval/f1_1': tensor(1.)}
+    """
+
+    members: int | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of one step metric (a loss): ``()``, or ``(members,)`` for an ensemble."""
+        return () if self.members is None else (self.members,)
+
+    def flatten(self, prefix: str, computed: Any) -> dict[str, Any]:
+        """Nested metric values -> flat ``prefix/name`` keys (a member axis is kept, for :meth:`expand`)."""
+        out: dict[str, Any] = {}
+        if isinstance(computed, Mapping):
+            for name, value in computed.items():
+                out.update(self.flatten(f"{prefix}/{name}" if prefix else str(name), value))
+        elif isinstance(computed, torch.Tensor) and computed.numel() > (self.members or 1):
+            flat = computed.reshape(self.members, -1) if self.members else computed.reshape(-1)
+            for i in range(flat.shape[-1]):
+                out[f"{prefix}_{i}"] = flat[..., i]
+        else:
+            out[prefix] = computed
+        return out
+
+    def expand(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        """The logged scalars of ``values``: as they are for one model."""
+        return expand_members(values, self.members)
+
+
+class MemberNaming(MetricNaming):
+    """An ensemble's naming: every value carries a leading member axis, logged as the mean, best, worst
+    and each member's (``eval/loss/member_2``), by :func:`expand_members`.
+
+    Example:
+        >>> sorted(MemberNaming(2).expand({"train/loss": torch.tensor([1.0, 3.0])}))
+        ['train/loss', 'train/loss/best', 'train/loss/member_0', 'train/loss/member_1', 'train/loss/worst']
+    """
+
+    def __init__(self, members: int) -> None:
+        self.members = members

@@ -23,7 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from functrain._atomic import replace_text
 
-__all__ = ["MultiWriter", "Writer", "WriterBase", "check_scalars", "naming_file"]
+__all__ = ["MultiWriter", "Writer", "WriterBase", "as_writer", "check_scalars", "naming_file"]
 
 
 @contextlib.contextmanager
@@ -94,7 +94,12 @@ class Writer(Protocol):
 
 
 class WriterBase:
-    """Context-manager support for writers: ``with JSONLWriter(dir) as w: ...`` closes ``w``."""
+    """What a writer supports, declared here with its defaults (override what a writer does itself), and
+    context-manager support: ``with JSONLWriter(dir) as w: ...`` closes ``w``."""
+
+    def resume_from(self, step: int | None) -> None:
+        """The step a resumed run restarts from (``None``: a fresh run), told by ``fit`` before the first
+        write. A writer that keeps no files of its own has nothing to trim: ignored by default."""
 
     def flush(self) -> None:
         """Nothing buffered by default."""
@@ -107,6 +112,37 @@ class WriterBase:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Adapted(WriterBase):
+    """A writer of the user's own that is no :class:`WriterBase`: only ``write`` is required; its
+    ``flush`` and ``resume_from`` are called when it has them."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def write(self, step: int, scalars: Mapping[str, float]) -> None:
+        self.inner.write(step, scalars)
+
+    def resume_from(self, step: int | None) -> None:
+        if hasattr(self.inner, "resume_from"):
+            self.inner.resume_from(step)
+
+    def flush(self) -> None:
+        if hasattr(self.inner, "flush"):
+            self.inner.flush()
+
+
+def as_writer(writer: Any) -> WriterBase:
+    """``writer`` as a :class:`WriterBase` (whose ``resume_from`` and ``flush`` may be called): itself,
+    or an adapter over an object with only ``write(step, scalars)``.
+
+    Example:
+        >>> class Printer:
+        ...     def write(self, step, scalars): print(step, scalars)
+        >>> as_writer(Printer()).flush()  # Printer has no flush: nothing to do
+    """
+    return writer if isinstance(writer, WriterBase) else _Adapted(writer)
 
 
 class LazyWriter(WriterBase):

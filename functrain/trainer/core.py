@@ -31,10 +31,11 @@ from torch import nn
 
 from functrain import callbacks as cbs
 from functrain import checkpoint, distributed, ensemble, optim
+from functrain.checkpoint import restore_onto
 from functrain.config import ConfigError, TrainerConfig
-from functrain.loop import FitResult, _onto, data_key, evaluate, fit, predict
+from functrain.loop import FitResult, data_key, evaluate, fit, predict
 from functrain.state import TrainState
-from functrain.step import _inputs_and_target
+from functrain.step import StepSpec, _inputs_and_target, spec_of
 from functrain.trainer import averaging, batches, build, run_dir, sweep
 
 __all__ = ["Trainer"]
@@ -250,7 +251,7 @@ class Trainer:
         """Load a state saved by :meth:`save` (or a checkpoint of ``fit``) onto this trainer's state."""
         raw = checkpoint.restore(path)
         raw = raw.get("state", raw) if isinstance(raw, dict) else raw
-        self.state = _onto(self.state, raw)
+        self.state = restore_onto(self.state, raw)
         return self.state
 
     def checkpoint_manager(self) -> checkpoint.CheckpointManager:
@@ -283,9 +284,11 @@ class Trainer:
     def _jit(self, kind: str, fn: Callable[..., Any]) -> Any:
         if kind not in self._jitted:
             self._jitted[kind] = build.compiled(self.config, kind, fn)
-            # the loop finds these on the step (a bound method carries no attributes of its own)
-            self._jitted[kind].metrics = getattr(self._eval_step, "metrics", None) if kind == "eval" else None
-            self._jitted[kind].gradient_reducer = getattr(self._train_step, "gradient_reducer", None)
+            # the loop reads the step's spec (a bound method carries none of its own)
+            self._jitted[kind].spec = StepSpec(
+                metrics=spec_of(self._eval_step).metrics if kind == "eval" else None,
+                gradient_reducer=spec_of(self._train_step).gradient_reducer,
+            )
         return self._jitted[kind]
 
     def _loader(self, dataset: Any, batch_size: int, *, train: bool) -> Any:
@@ -319,7 +322,7 @@ def _losses(trainer: Trainer) -> build.Losses:
 def _with_best(config: TrainerConfig, state: TrainState, best: Mapping[str, Any]) -> TrainState:
     """``state`` with the best checkpoint's weights (and their average with them: ``config.ema``)."""
     fields = averaging.restored_fields(config)
-    return state.replace(**{f: _onto(getattr(state, f), best[f], f"state.{f}") for f in fields})
+    return state.replace(**{f: restore_onto(getattr(state, f), best[f], f"state.{f}") for f in fields})
 
 
 def _as_config(config: TrainerConfig | Mapping[str, Any] | str | os.PathLike[str]) -> TrainerConfig:

@@ -1,0 +1,112 @@
+"""``evaluate`` and ``predict``: a step over a whole data set, beside ``fit``.
+
+Example:
+    >>> metrics = ft.evaluate(state, ft.jit(ft.make_eval_step(model, loss_fn)), eval_data, batch_size=64)
+    >>> outputs = ft.predict(state, ft.make_predict_step(model), inputs, batch_size=32, collect=True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from functrain import distributed, random, tree
+from functrain.callbacks.base import Callback, Context
+from functrain.loop.data import as_loader, batch_device, scalar_dict
+from functrain.loop.events import Events
+from functrain.step import spec_of
+
+__all__ = ["evaluate", "predict"]
+
+
+def evaluate(
+    state: Any,
+    eval_step: Callable[[Any, Any], Mapping[str, Any]],
+    data: Any,
+    *,
+    batch_size: int | None = None,
+    callbacks: Sequence[Callback] = (),
+    ctx: Context | None = None,
+    prefix: str = "eval",
+) -> dict[str, float]:
+    """Run ``eval_step`` over ``data`` and return example-weighted metrics over the whole set.
+
+    The loss is weighted by each batch's example count (a short last batch counts for what it holds);
+    metric states are merged across batches and computed once, so accuracy, F1 and the rest equal the
+    metric over the whole set. One host sync at the end.
+
+    Example:
+        >>> metrics = ft.evaluate(state, ft.jit(ft.make_eval_step(model, loss_fn)), eval_data, batch_size=64)
+        >>> sorted(metrics)
+        ['eval/loss']
+    """
+    loader = as_loader(
+        data, batch_size, random.key(0), "evaluate", shuffle=False, shard=True, device=batch_device(state)
+    )
+    events = Events(callbacks)
+    ctx = ctx or Context()
+    ctx.phase = "eval"
+    spec = spec_of(eval_step)
+    metric_fns = spec.metrics
+    loss_sum: torch.Tensor | None = None
+    count = 0
+    merged = None
+    extra_sums: dict[str, torch.Tensor] = {}
+    for batch in loader.epoch(0):
+        ctx.batch = batch
+        state = events("eval_batch_begin", state, ctx)
+        out = eval_step(state, batch)
+        n = int(out["num_examples"])
+        if n == 0:
+            continue  # an empty shard of a distributed last batch
+        weighted = out["loss"] * n
+        loss_sum = weighted if loss_sum is None else loss_sum + weighted
+        count += n
+        for k, v in out.items():
+            if k not in ("loss", "num_examples", "metrics", "preds") and isinstance(v, torch.Tensor):
+                extra_sums[k] = extra_sums.get(k, 0) + v * n
+        if out.get("metrics") is not None and metric_fns is not None:
+            merged = out["metrics"] if merged is None else metric_fns.merge(merged, out["metrics"])
+        state = events("eval_batch_end", state, ctx)
+    ctx.batch = None
+    ctx.phase = "train"
+    loss_sum, count, extra_sums, merged = distributed.merge_evaluation(
+        loss_sum, count, extra_sums, merged, metric_fns, state.device
+    )
+    if count == 0:
+        raise ValueError("evaluate: the evaluation data produced no examples")
+    naming = spec.naming(state)
+    values: dict[str, Any] = {f"{prefix}/loss": loss_sum / count}
+    values.update({f"{prefix}/{k}": v / count for k, v in extra_sums.items()})
+    if merged is not None:
+        values.update(naming.flatten(prefix, metric_fns.compute(merged)))
+    return scalar_dict(naming.expand(values))
+
+
+def predict(
+    state: Any,
+    predict_step: Callable[[Any, Any], Any],
+    data: Any,
+    *,
+    batch_size: int | None = None,
+    collect: bool = False,
+) -> Iterator[Any] | Any:
+    """Stream ``predict_step`` outputs batch by batch (``collect=True``: concatenate them all).
+
+    Example:
+        >>> outputs = ft.predict(state, ft.make_predict_step(model), inputs, batch_size=32, collect=True)
+    """
+    loader = as_loader(data, batch_size, random.key(0), "predict", shuffle=False, device=batch_device(state))
+
+    def stream() -> Iterator[Any]:
+        for batch in loader.epoch(0):
+            yield predict_step(state, batch)
+
+    if not collect:
+        return stream()
+    outputs = list(stream())
+    if not outputs:
+        return outputs
+    return tree.map(lambda *xs: torch.cat(xs) if isinstance(xs[0], torch.Tensor) else list(xs), *outputs)

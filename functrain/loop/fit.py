@@ -1,0 +1,129 @@
+"""``fit``: fold a compiled train step over the batches, the host work done by a :class:`Run`.
+
+The loop: the batches, the step, and the :class:`Run` before and after it
+(callbacks, logging, evaluation and checkpoints when due). The package's docstring has a runnable example.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from functrain.callbacks.base import Callback
+from functrain.logging import History
+from functrain.loop.length import RunLength
+from functrain.loop.run import Run
+from functrain.loop.state import FitResult
+
+__all__ = ["fit"]
+
+
+def fit(
+    state: Any,
+    train_step: Callable[[Any, Any], tuple[Any, Mapping[str, torch.Tensor]]],
+    train_data: Any,
+    *,
+    eval_step: Callable[[Any, Any], Mapping[str, Any]] | None = None,
+    eval_data: Any = None,
+    epochs: int | None = None,
+    max_steps: int | None = None,
+    additional_epochs: int | None = None,
+    additional_steps: int | None = None,
+    batch_size: int | None = None,
+    eval_batch_size: int | None = None,
+    eval_every: int | str | None = "epoch",
+    log_every: int = 50,
+    callbacks: Iterable[Callback] = (),
+    loggers: Iterable[Any] = (),
+    checkpoints: Any = None,
+    save_every: int | str | None = None,
+    resume: bool | int | str = False,
+    progress_bar: bool = True,
+    history: History | None = None,
+    progress: bool | None = None,
+) -> FitResult:
+    """Train: fold ``train_step`` over ``train_data`` for ``epochs`` or ``max_steps`` optimizer steps.
+
+    Args:
+        state: the initial train state (ignored in favour of the checkpoint when resuming).
+        train_step: ``(state, batch) -> (state, metrics)``, usually ``jit(make_train_step(...))``.
+        train_data: a :class:`functrain.data.Loader`, a torch ``DataLoader``, or a dataset with
+            ``batch_size`` (shuffled per epoch with a key derived from ``state.rng``). Batches are moved
+            to the state's device (on CUDA: pinned, copied ahead of the step); a ``Loader`` given its own
+            ``device`` keeps it.
+        eval_step, eval_data, eval_batch_size: evaluation (``make_eval_step``) and its data.
+        epochs, max_steps: the run's length, counted from step 0 (at least one; the run ends at
+            whichever comes first). They count the *whole* run, not more of it, so the same call resumes
+            a run to the same end; a state already there returns at once with a
+            :class:`RunFinishedWarning`. To train more, raise them (``epochs=done + n``) or use:
+        additional_epochs, additional_steps: instead of ``epochs``/``max_steps``, train this many more
+            epochs or optimizer steps from where the state (or the resumed checkpoint) stands. A run
+            stopped mid-epoch counts the rest of that epoch as the first additional one. They also
+            continue a run that was stopped for good (by early stopping); rerunning the same call trains
+            more again.
+        eval_every: a number of steps, ``"epoch"`` or ``None``.
+        log_every: log (and sync the host) every this many steps; also at epoch ends.
+        callbacks: :class:`functrain.callbacks.Callback` objects for this run.
+        loggers: writers with ``write(step, scalars)`` (``functrain.logging``: console, JSONL, CSV,
+            TensorBoard).
+        checkpoints: a :class:`functrain.checkpoint.CheckpointManager` (or a directory for one).
+        save_every: a number of steps, ``"epoch"`` or ``None``; the final state is saved too.
+        resume: ``True`` resumes from the latest checkpoint if there is one (else starts fresh), a step
+            number or ``"best"`` from that checkpoint, a path from that checkpoint file; ``False`` starts
+            fresh. A resumed run that had ended (its length reached, early stopping or another final stop
+            request) returns its final state at once, trains and logs nothing, and warns why
+            (:class:`RunFinishedWarning`). Without resume, a state that has already taken steps continues
+            the data stream where its step count puts it.
+        progress_bar: show a progress bar (``tqdm.auto``: terminal and notebook), as
+            ``TrainerConfig.progress_bar``.
+        progress: deprecated alias of ``progress_bar`` (a ``DeprecationWarning``; removed in the next
+            release).
+
+    Returns:
+        :class:`FitResult` with the final state, the history and the last evaluation.
+
+    Example:
+        >>> result = ft.fit(state, train_step, train_set, batch_size=32, epochs=3,
+        ...                 eval_step=eval_step, eval_data=val_set, checkpoints="runs/ckpt", resume=True)
+    """
+    if progress is not None:
+        warnings.warn(
+            "fit(progress=...) is deprecated: use progress_bar=..., the name TrainerConfig and the CLI use",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        progress_bar = progress
+    length = RunLength(epochs, max_steps, additional_epochs, additional_steps)
+    run = Run.open(
+        state,
+        train_step,
+        train_data,
+        length,
+        eval_step=eval_step,
+        eval_data=eval_data,
+        batch_size=batch_size,
+        eval_batch_size=eval_batch_size,
+        eval_every=eval_every,
+        log_every=log_every,
+        save_every=save_every,
+        callbacks=callbacks,
+        loggers=loggers,
+        checkpoints=checkpoints,
+        progress_bar=progress_bar,
+        history=history,
+    )
+    state = run.begin(run.resume(state, resume))
+    try:
+        for batch in run.batches():
+            state = run.before_step(state, batch)  # epoch_begin, step_begin
+            state, metrics = train_step(state, batch)
+            state = run.after_step(state, metrics)  # step_end; log, eval, save when due
+            if run.stopping:
+                break
+        state = run.save_last(state)
+    finally:
+        run.close()
+    return run.finish(state)
