@@ -37,6 +37,7 @@ from torch.func import functional_call, grad_and_value
 
 from functrain import _foreach as foreach
 from functrain import tree
+from functrain.data.padding import masked_loss, trim, unmask
 from functrain.optim import all_finite, apply_gradients
 from functrain.precision import autocast_dtype
 from functrain.remat import routed_checkpoint
@@ -93,7 +94,16 @@ def supervised_loss(criterion: Callable[[Any, Any], torch.Tensor]) -> LossFn:
         preds = model(x)
         return criterion(preds, y), {"preds": preds, "target": y}
 
+    def per_example(model: Callable[..., Any], batch: Batch) -> tuple[torch.Tensor, dict[str, Any]]:
+        # One loss per example (the criterion on each row as a batch of one), so that a padded batch's
+        # masked rows weigh exactly zero, dropout and all (functrain.data.padding.masked_loss).
+        x, y = _inputs_and_target(batch)
+        preds = model(x)
+        losses = torch.vmap(lambda p, t: criterion(p.unsqueeze(0), t.unsqueeze(0)))(preds, y)
+        return losses, {"preds": preds, "target": y}
+
     loss_fn.criterion = criterion  # type: ignore[attr-defined]
+    loss_fn.per_example = per_example  # type: ignore[attr-defined]
     return loss_fn
 
 
@@ -347,12 +357,12 @@ def make_train_step(
     expected = _expected_names(model if isinstance(model, nn.Module) else None)
     bind, set_mode = _model_call(model), _mode_setter(model)
 
-    def loss_of(params: dict, buffers: dict, batch: Batch, scale: torch.Tensor | None) -> Any:
+    def loss_of(params: dict, buffers: dict, batch: Batch, scale: torch.Tensor | None, *masking: Any) -> Any:
         # Buffers are inputs of the differentiated function and cloned, so modules that update them in
         # place (BatchNorm) write into the clones, which leave as auxiliary output.
         buffers = {k: v.clone() for k, v in buffers.items()}
         with _autocast(_device_of(params), cast):
-            loss, aux = _split_loss_output(loss_fn(bind(params, buffers), batch))
+            loss, aux = _loss_over_real_rows(loss_fn, bind(params, buffers), batch, *masking)
         loss = loss.float()
         scaled = loss * scale if scale is not None else loss
         return scaled, (loss.detach(), aux, buffers)
@@ -364,6 +374,7 @@ def make_train_step(
         Python attributes in its first forward (Hugging Face's ``config.problem_type``) does it here,
         before the first trace, so the compiled step guards the settled value (:func:`functrain.jit`)."""
         set_mode(True, freeze_batchnorm)
+        batch, _ = unmask(batch)
         first = split_batch(batch, accumulate)[0] if accumulate > 1 else batch
         buffers = {k: v.clone() for k, v in state.buffers.items()}  # BatchNorm writes into the clones
         with torch.no_grad(), _autocast(_device_of(state.params), cast), _checkpoint_routing(model):
@@ -378,18 +389,20 @@ def make_train_step(
             )
         set_mode(True, freeze_batchnorm)
         scale = state.loss_scale.scale if state.loss_scale is not None else None
+        batch, mask = unmask(batch)  # a padded batch (functrain.data.padding): its real rows count
         micro = split_batch(batch, accumulate) if accumulate > 1 else [batch]
-        total = sum(num_examples(b) for b in micro) if accumulate > 1 else 1
+        masking = _masking(batch, mask, accumulate)
+        total = sum(num_examples(b) for b in micro) if accumulate > 1 and mask is None else 1
         buffers = state.buffers
         grads: Any = None
         loss = torch.zeros((), device=_device_of(state.params))
         extra: dict[str, torch.Tensor] = {}
         preds, targets = [], []
         with _checkpoint_routing(model):
-            for mb in micro:
-                weight = num_examples(mb) / total if accumulate > 1 else 1.0
-                g, (_, (mb_loss, aux, buffers)) = grad_fn(state.params, buffers, mb, scale)
-                if accumulate > 1:
+            for i, mb in enumerate(micro):
+                weight = num_examples(mb) / total if accumulate > 1 and mask is None else 1.0
+                g, (_, (mb_loss, aux, buffers)) = grad_fn(state.params, buffers, mb, scale, *masking[i])
+                if weight != 1.0:
                     g = tree.map(lambda x, w=weight: x * w, g)
                 grads = g if grads is None else tree.map(torch.add, grads, g)
                 loss = loss + mb_loss * weight
@@ -402,7 +415,7 @@ def make_train_step(
 
         if gradient_reducer is not None:
             grads, loss, extra, buffers = gradient_reducer(
-                grads, loss, extra, buffers, state.buffers, num_examples(batch)
+                grads, loss, extra, buffers, state.buffers, _real_examples(batch, mask)
             )
         loss_scale = state.loss_scale
         finite = None
@@ -421,7 +434,7 @@ def make_train_step(
 
         metric_state = state.metrics
         if metrics is not None and metric_state is not None:
-            metric_state = metrics.update(metric_state, **_metric_inputs(preds, targets, loss, batch))
+            metric_state = metrics.update(metric_state, **_metric_inputs(preds, targets, loss, batch, mask))
 
         out = {"loss": loss, "grad_norm": tree.global_norm(grads), **extra}
         if loss_scale is not None:
@@ -441,7 +454,39 @@ def make_train_step(
     train_step.model = model  # type: ignore[attr-defined]
     train_step.gradient_reducer = gradient_reducer  # type: ignore[attr-defined]
     train_step.settle = settle if isinstance(model, nn.Module) else None  # type: ignore[attr-defined]
+    train_step.masked_batches = True  # type: ignore[attr-defined]
     return train_step
+
+
+def _loss_over_real_rows(
+    loss_fn: LossFn, call: Callable[..., Any], batch: Batch, *masking: Any
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """``loss_fn``'s ``(loss, aux)``; with ``masking`` (``mask, count, first``: :func:`_masking`) over
+    the real rows of a padded batch only (:func:`functrain.data.padding.masked_loss`)."""
+    per_example = getattr(loss_fn, "per_example", None)
+    return masked_loss(
+        lambda b: _split_loss_output(loss_fn(call, b)),
+        batch,
+        *(masking[:1] or (None,)),
+        per_example=(lambda b: per_example(call, b)) if per_example is not None else None,
+        count=masking[1] if masking else None,
+        first=masking[2] if masking else None,
+    )
+
+
+def _masking(batch: Batch, mask: torch.Tensor | None, parts: int) -> list[tuple[Any, ...]]:
+    """Per micro-batch ``(mask, count, first)`` of a padded batch (its mask's slice, the whole batch's
+    real examples, its row 0), or ``()`` each for a batch without a mask."""
+    if mask is None:
+        return [()] * parts
+    count, first = mask.sum().clamp(min=1).float(), trim(batch, 1, int(mask.shape[0]))
+    masks = mask.tensor_split(parts) if parts > 1 else (mask,)
+    return [(m, count, first) for m in masks]
+
+
+def _real_examples(batch: Batch, mask: torch.Tensor | None) -> Any:
+    """The examples of a batch: its leading size (an int), or the true rows of a padded batch's mask."""
+    return num_examples(batch) if mask is None else mask.sum()
 
 
 def _where_leaf(pred: torch.Tensor) -> Callable[[Any, Any], Any]:
@@ -453,8 +498,10 @@ def _where_leaf(pred: torch.Tensor) -> Callable[[Any, Any], Any]:
     return pick
 
 
-def _metric_inputs(preds: list, targets: list, loss: torch.Tensor, batch: Batch) -> dict[str, Any]:
-    inputs: dict[str, Any] = {"loss": loss, "num_examples": num_examples(batch)}
+def _metric_inputs(
+    preds: list, targets: list, loss: torch.Tensor, batch: Batch, mask: torch.Tensor | None = None
+) -> dict[str, Any]:
+    inputs: dict[str, Any] = {"loss": loss, "num_examples": _real_examples(batch, mask), "mask": mask}
     if preds:
         inputs["preds"] = preds[0] if len(preds) == 1 else torch.cat(preds)
     if targets:
@@ -493,16 +540,18 @@ def make_eval_step(
     def eval_step(state: Any, batch: Batch) -> dict[str, Any]:
         _check_state_matches(state, expected)
         set_mode(False)
+        batch, mask = unmask(batch)  # a padded batch (functrain.data.padding): its real rows count
         with torch.no_grad(), _autocast(_device_of(state.params), cast):
-            loss, aux = _split_loss_output(loss_fn(bind(state.params, state.buffers), batch))
+            call = bind(state.params, state.buffers)
+            loss, aux = _loss_over_real_rows(loss_fn, call, batch, *_masking(batch, mask, 1)[0])
         loss = loss.float()
         preds = [aux["preds"]] if "preds" in aux else []
         targets = [aux["target"]] if "target" in aux else []
-        out: dict[str, Any] = {"loss": loss, "num_examples": num_examples(batch), "metrics": None}
+        out: dict[str, Any] = {"loss": loss, "num_examples": _real_examples(batch, mask), "metrics": None}
         out.update({k: v.float() for k, v in dict(aux.get("metrics", {})).items()})
         if metrics is not None:
             empty = metrics.empty(_device_of(state.params))
-            out["metrics"] = metrics.update(empty, **_metric_inputs(preds, targets, loss, batch))
+            out["metrics"] = metrics.update(empty, **_metric_inputs(preds, targets, loss, batch, mask))
         if return_preds:
             out["preds"] = aux.get("preds")
         return out
@@ -510,6 +559,7 @@ def make_eval_step(
     eval_step.kind = "eval"  # type: ignore[attr-defined]
     eval_step.metrics = metrics  # type: ignore[attr-defined]
     eval_step.model = model  # type: ignore[attr-defined]
+    eval_step.masked_batches = True  # type: ignore[attr-defined]
     return eval_step
 
 
@@ -548,9 +598,11 @@ def make_predict_step(
 
     def predict_step(state: Any, batch: Batch) -> Any:
         set_mode(False)
+        batch, _ = unmask(batch)  # a padded batch: the loop cuts the padded rows off the outputs
         with torch.no_grad(), _autocast(_device_of(state.params), cast):
             return fwd(bind(state.params, state.buffers), batch)
 
     predict_step.kind = "predict"  # type: ignore[attr-defined]
     predict_step.model = model  # type: ignore[attr-defined]
+    predict_step.masked_batches = True  # type: ignore[attr-defined]
     return predict_step
