@@ -624,7 +624,16 @@ class Trainer:
             # the loop finds these on the step (a bound method carries no attributes of its own)
             self._jitted[kind].metrics = getattr(self._eval_step, "metrics", None) if kind == "eval" else None
             self._jitted[kind].gradient_reducer = getattr(self._train_step, "gradient_reducer", None)
+            self._jitted[kind].masked_batches = self._pads(kind)
         return self._jitted[kind]
+
+    def _pads(self, kind: str) -> bool:
+        """Whether the ``kind`` step's batches are padded to the batch size (functrain.data.padding): the
+        config says so, and the step is the Trainer's own (an overridden one gets its batches as they are)."""
+        cfg = self.config
+        if cfg.sweep or not (cfg.pad_train_batches if kind == "train" else cfg.pad_eval_batches):
+            return False
+        return kind == "predict" or getattr(type(self), f"{kind}_step") is getattr(Trainer, f"{kind}_step")
 
     def _loader(self, dataset: Any, batch_size: int, *, train: bool) -> data.Loader:
         cfg = self.config
@@ -646,6 +655,7 @@ class Trainer:
             device=self.device,
             rank=rank,
             world_size=world,
+            pad_last=train and self._pads("train"),
         )
 
     @staticmethod

@@ -27,7 +27,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import optree
@@ -35,6 +35,9 @@ import torch
 
 from functrain import tree
 from functrain.data.collate import num_examples
+
+#: The label Hugging Face's losses (and torch's ``cross_entropy``) ignore: the padded rows' labels.
+IGNORE_INDEX = -100
 
 __all__ = [
     "MaskedBatch",
@@ -215,16 +218,19 @@ def masked_loss(
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """``(loss, aux)`` of ``batch`` over its real rows only: ``run(batch)`` when ``mask`` is ``None``.
 
-    The loss is the sum of the real rows' per-example losses divided by ``count`` (default: the real rows
-    of ``mask``; a micro-batch of an accumulated step passes the whole batch's count, so the micro-batch
-    losses and gradients add up to the batch's mean). The padded rows weigh exactly zero when the loss
-    function gives per-example losses (``per_example(batch) -> (losses [rows], aux)``; the loss
-    functions of :func:`functrain.supervised_loss` do). For any other loss function (a mean over the
-    batch's examples, the step's contract) the padded rows, copies of row 0 (:func:`pad_batch`), are
-    taken back out: ``(rows * loss(batch) - padded * loss(row 0)) / count``, with ``row 0`` (``first``,
-    default: cut from ``batch``) run once more. That is exact up to float rounding when an example's
-    loss depends on its own row only: evaluation, or training without dropout or BatchNorm statistics.
-    The loss function's extra ``metrics`` are taken back out the same way.
+    The loss is the real rows' per-example losses summed and divided by ``count`` (default: the real
+    rows of ``mask``; a micro-batch of an accumulated step passes the whole batch's count, so that the
+    micro-batches' losses and gradients add up to the batch's mean). Three cases, first match wins:
+
+    - ``per_example(batch) -> (losses [rows], aux)`` given (the loss functions of
+      :func:`functrain.supervised_loss` have one): the padded rows weigh exactly zero, dropout and all;
+    - a dict batch with integer ``labels`` (Hugging Face's layout): the padded rows get label ``-100``,
+      which HF's losses and torch's ``cross_entropy`` ignore, so a per-token mean is exact too;
+    - any other loss function (a mean over the batch's examples, the step's contract): the padded rows,
+      copies of row 0 (:func:`pad_batch`), are taken back out, ``(rows * loss(batch) - padded *
+      loss(row 0)) / count``, with row 0 (``first``, default: cut from ``batch``) run once more. Exact up
+      to float rounding when an example's loss depends on its own row only: evaluation, or training
+      without dropout or BatchNorm batch statistics. The extra ``metrics`` are taken out the same way.
 
     Example:
         >>> import torch
@@ -241,6 +247,14 @@ def masked_loss(
         losses, aux = per_example(batch)
         weight = mask.to(losses.dtype)
         return (losses * weight).sum() / count, aux
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if isinstance(labels, torch.Tensor) and not labels.is_floating_point() and labels.shape[:1] == (rows,):
+        # Hugging Face's convention: label -100 is ignored by the loss (every HF head, torch's
+        # cross_entropy): the loss is then exactly the real rows' own, a per-token mean included.
+        ignored = torch.where(mask.reshape((rows,) + (1,) * (labels.ndim - 1)), labels, IGNORE_INDEX)
+        loss, aux = run({**batch, "labels": ignored})
+        zero = torch.zeros_like(loss)
+        return torch.where(real > 0, loss * real / count, zero), aux
     loss, aux = run(batch)
     one, one_aux = run(trim(batch, 1, rows) if first is None else first)
     padding = rows - real
