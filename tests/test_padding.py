@@ -270,7 +270,7 @@ def test_trainer_fit_evaluate_predict_compile_the_eval_step_once(tmp_path: Path)
         shuffle=False,
         pad_train_batches=True,
         optimizer={"name": "sgd", "lr": 0.1},
-        metrics=["accuracy", {"name": "F1Score", "num_classes": 3, "average": "macro"}],
+        metrics={"accuracy": {}, "F1Score": {"num_classes": 3, "average": "macro"}},
         save_strategy="no",
     )
     train, val = _data(101, seed=3), _data(101)
