@@ -10,10 +10,11 @@ the same data (``--batches`` full batches and one of ``--remainder`` examples), 
                   one graph with a symbolic batch size
 
 and the same three for a training epoch (``train-*``: ``Loader(pad_last=True)`` for the padded one).
-Each variant runs in a fresh child process with an empty inductor cache, so compile time is cold and no
-variant profits from another's cache. Reported: compiles, compile seconds (``CompiledStep``), the
-median ms of a full batch after compiling, and the whole pass (every batch, compiled already); ratios
-against ``padded`` of the same run.
+Compile seconds (``CompiledStep.compile_seconds``, all compiles of a pass) are measured cold: each
+variant in a fresh child process with an empty inductor cache, ``--rounds`` times in a rotated order,
+median. Step times are measured in one child with all three variants compiled, interleaved (each repeat
+runs every variant in turn, rotated), median: ms of one full batch and of a whole pass (every batch, one
+sync at the end). Ratios are against ``padded`` of the same run.
 
 Usage:
     python benchmarks/ragged.py                         # mlp; writes benchmarks/results/ragged.md
@@ -74,69 +75,88 @@ def _marked(batches, marked: bool):
         yield batch
 
 
-def child(workload_name: str, variant: str, kind: str, batches: int, remainder: int, repeats: int) -> dict:
-    workload = common.WORKLOADS[workload_name]
-    model = common.build_model(workload)
-    data = _data(workload, batches, remainder)
-    size = common.build_batch(workload)[0].shape[0]
-    state = ft.TrainState.create(model, ft.optim.adamw(common.LR), copy=False)
-    dynamic = None if variant == "mark-dynamic" else False
-    padded = variant == "padded"
-    if kind == "eval":
-        step = ft.make_eval_step(model, _loss)
-        step.masked_batches = padded
-    else:
-        step = ft.make_train_step(model, _loss)
-    jitted = ft.jit(step, dynamic=dynamic, max_compiles=4)
-    loader = Loader(data, size, shuffle=False, prefetch=0, pad_last=padded and kind == "train")
+class Runner:
+    """One variant of one step over the ragged data: ``one_pass()`` (every batch, one sync at the end, the
+    loop of ``evaluate``) and ``full_batch()`` (one full batch, synced)."""
 
-    def one_pass() -> None:
-        # The same loop for every variant (evaluate()'s: the loss summed on the device, one sync).
-        nonlocal state
-        batches = _marked(loader.epoch(0), variant == "mark-dynamic" and jitted.num_compiles == 0)
+    def __init__(self, workload_name: str, variant: str, kind: str, batches: int, remainder: int) -> None:
+        workload = common.WORKLOADS[workload_name]
+        model = common.build_model(workload)
+        self.variant, self.kind = variant, kind
+        self.size = common.build_batch(workload)[0].shape[0]
+        self.state = ft.TrainState.create(model, ft.optim.adamw(common.LR), copy=False)
+        padded = variant == "padded"
         if kind == "eval":
+            step = ft.make_eval_step(model, _loss)
+            step.masked_batches = padded
+        else:
+            step = ft.make_train_step(model, _loss)
+        dynamic = None if variant == "mark-dynamic" else False
+        self.jitted = ft.jit(step, dynamic=dynamic, max_compiles=4)
+        data = _data(workload, batches, remainder)
+        self.loader = Loader(data, self.size, shuffle=False, prefetch=0, pad_last=padded and kind == "train")
+        full = next(iter(self.loader.epoch(0)))
+        self.full = padding.pad_batch(full, self.size) if padded and kind == "eval" else full
+
+    def one_pass(self) -> None:
+        marked = self.variant == "mark-dynamic" and self.jitted.num_compiles == 0
+        batches = _marked(self.loader.epoch(0), marked)
+        if self.kind == "eval":
             total = torch.zeros(())
-            for batch, real in padding.padded(batches, jitted, size):
-                out = jitted(state, batch)
+            for batch, real in padding.padded(batches, self.jitted, self.size):
+                out = self.jitted(self.state, batch)
                 total = total + out["loss"] * (real if real is not None else out["num_examples"])
             total.item()
         else:
             for batch in batches:
-                state, metrics = jitted(state, batch)
+                self.state, metrics = self.jitted(self.state, batch)
             metrics["loss"].item()
 
-    started = time.perf_counter()
-    one_pass()  # compiles
-    first_pass = time.perf_counter() - started
-    passes = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        one_pass()
-        passes.append(time.perf_counter() - started)
-    full = next(iter(loader.epoch(0)))
-    if padded and kind == "eval":
-        full = padding.pad_batch(full, size)  # the padded stream's structure: no new graph
-    per_batch = []
-    for _ in range(repeats * 4):
-        started = time.perf_counter()
-        out = jitted(state, full)
-        (out["loss"] if kind == "eval" else out[1]["loss"]).item()
-        if kind == "train":
-            state = out[0]
-        per_batch.append(time.perf_counter() - started)
+    def full_batch(self) -> None:
+        out = self.jitted(self.state, self.full)
+        if self.kind == "train":
+            self.state, out = out
+        out["loss"].item()
+
+
+def child_compile(workload: str, variant: str, kind: str, batches: int, remainder: int) -> dict:
+    """Compiles and compile seconds of one variant: its first pass, in a process of its own."""
+    runner = Runner(workload, variant, kind, batches, remainder)
+    runner.one_pass()
+    return {"compiles": runner.jitted.num_compiles, "compile_s": runner.jitted.compile_seconds}
+
+
+def child_timing(workload: str, kind: str, batches: int, remainder: int, repeats: int) -> dict:
+    """Median ms of a whole pass and of a full batch per variant, compiled, timed interleaved in one process
+    (each repeat runs every variant in turn, in a rotated order)."""
+    runners = {v: Runner(workload, v, kind, batches, remainder) for v in VARIANTS}
+    for runner in runners.values():
+        runner.one_pass()  # compiles
+    times: dict[str, dict[str, list[float]]] = {v: {"pass": [], "full": []} for v in VARIANTS}
+    for r in range(repeats):
+        order = VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]
+        for variant in order:
+            for what, run, calls in (
+                ("pass", runners[variant].one_pass, 1),
+                ("full", runners[variant].full_batch, 4),
+            ):
+                started = time.perf_counter()
+                for _ in range(calls):
+                    run()
+                times[variant][what].append((time.perf_counter() - started) / calls)
     return {
-        "compiles": jitted.num_compiles,
-        "compile_s": jitted.compile_seconds,
-        "first_pass_s": first_pass,
-        "pass_ms": 1000 * statistics.median(passes),
-        "full_batch_ms": 1000 * statistics.median(per_batch),
+        v: {
+            "pass_ms": 1000 * statistics.median(t["pass"]),
+            "full_batch_ms": 1000 * statistics.median(t["full"]),
+        }
+        for v, t in times.items()
     }
 
 
-def run_child(workload: str, variant: str, kind: str, args: argparse.Namespace) -> dict:
+def run_child(args: argparse.Namespace, *child: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="ragged-bench-") as cache:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"}
-        argv = [sys.executable, __file__, "--child", workload, variant, kind]
+        argv = [sys.executable, __file__, "--child", *child]
         argv += [
             "--batches",
             str(args.batches),
@@ -147,7 +167,7 @@ def run_child(workload: str, variant: str, kind: str, args: argparse.Namespace) 
         ]
         out = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0:
-        raise RuntimeError(f"{workload}/{kind}/{variant} failed:\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"{' '.join(child)} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -161,10 +181,16 @@ def main() -> None:
     parser.add_argument("--remainder", type=int, default=5, help="examples in the short last batch")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "ragged.md")
-    parser.add_argument("--child", nargs=3, metavar=("WORKLOAD", "VARIANT", "KIND"))
+    parser.add_argument("--rounds", type=int, default=2, help="cold compiles per variant (median)")
+    parser.add_argument("--child", nargs="+", metavar="ARG")
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(*args.child, args.batches, args.remainder, args.repeats)))
+        what, *rest = args.child
+        if what == "compile":
+            result = child_compile(*rest, args.batches, args.remainder)
+        else:
+            result = child_timing(*rest, args.batches, args.remainder, args.repeats)
+        print(json.dumps(result))
         return
     rows = [
         "| workload | step | variant | compiles | compile s | x padded | full batch ms | x padded "
@@ -173,12 +199,18 @@ def main() -> None:
     ]
     for workload in args.workloads:
         for kind in args.kinds:
-            results = {v: run_child(workload, v, kind, args) for v in VARIANTS}
-            base = results["padded"]
-            for variant, r in results.items():
+            compiles: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+            for r in range(args.rounds):  # cold compiles, each in its own process, rotated order
+                for variant in VARIANTS[r % 3 :] + VARIANTS[: r % 3]:
+                    compiles[variant].append(run_child(args, "compile", workload, variant, kind))
+            timing = run_child(args, "timing", workload, kind)
+            seconds = {v: statistics.median(c["compile_s"] for c in compiles[v]) for v in VARIANTS}
+            base, base_s = timing["padded"], seconds["padded"]
+            for variant in VARIANTS:
+                r = timing[variant]
                 rows.append(
-                    f"| {workload} | {kind} | {variant} | {r['compiles']} | {r['compile_s']:.1f} | "
-                    f"{r['compile_s'] / base['compile_s']:.2f} | {r['full_batch_ms']:.2f} | "
+                    f"| {workload} | {kind} | {variant} | {compiles[variant][0]['compiles']} | "
+                    f"{seconds[variant]:.1f} | {seconds[variant] / base_s:.2f} | {r['full_batch_ms']:.2f} | "
                     f"{r['full_batch_ms'] / base['full_batch_ms']:.2f} | {r['pass_ms']:.1f} | "
                     f"{r['pass_ms'] / base['pass_ms']:.2f} |"
                 )
@@ -187,7 +219,7 @@ def main() -> None:
     header = (
         f"# Ragged last batch: padded vs mark_dynamic vs recompiling\n\n`python benchmarks/ragged.py "
         f"--workloads {' '.join(args.workloads)} --batches {args.batches} --remainder {args.remainder} "
-        f"--repeats {args.repeats}`; torch {torch.__version__}, {device}, "
+        f"--repeats {args.repeats} --rounds {args.rounds}`; torch {torch.__version__}, {device}, "
         f"{time.strftime('%Y-%m-%d', time.gmtime())}.\n\n"
     )
     args.out.write_text(header + "\n".join(rows) + "\n")
