@@ -343,6 +343,11 @@ def make_train_step(
             ``reducer(grads, loss, metrics, buffers, old_buffers, num_examples)`` after the backward and
             returns them combined over all ranks (example-weighted), inside the same compiled graph.
 
+    A padded batch (a :class:`~functrain.data.MaskedBatch`, ``Loader(..., pad_last=True)``) keeps the
+    compiled shape for a short last batch: its masked rows weigh zero in the loss, the gradient, the
+    metrics and the data-parallel example weighting (:func:`functrain.data.padding.masked_loss` says
+    when that is exact: per-example losses always; other losses without dropout or BatchNorm).
+
     Returns:
         ``train_step``; ``metrics`` holds ``loss`` (example-weighted over micro-batches),
         ``grad_norm`` (before clipping), the loss function's extra metrics and, with fp16,
@@ -525,7 +530,9 @@ def make_eval_step(
 
     The result holds ``loss`` (0-d), ``num_examples`` (int), ``metrics`` (the collection's state for this
     batch, to be merged across batches; ``None`` without a collection) and, with ``return_preds``,
-    ``preds``.
+    ``preds``. For a padded batch (:class:`~functrain.data.MaskedBatch`, which :func:`functrain.evaluate`
+    makes of a short last batch so that the step compiles once) they are the real rows': the loss is
+    their mean, ``num_examples`` their count (a 0-d tensor) and the metrics get the ``mask``.
 
     Example:
         >>> eval_step = make_eval_step(model, supervised_loss(torch.nn.functional.cross_entropy))
@@ -572,7 +579,8 @@ def make_predict_step(
     """Build ``predict_step(state, batch) -> outputs`` in eval mode.
 
     ``forward(model_call, batch)`` defaults to calling the model on the batch's inputs (the first element
-    of a tuple, the ``input`` entry of a dict, or the batch itself).
+    of a tuple, the ``input`` entry of a dict, or the batch itself). A padded batch
+    (:class:`~functrain.data.MaskedBatch`) runs whole; :func:`functrain.predict` cuts the padded rows off.
 
     Example:
         >>> predict_step = make_predict_step(model)
