@@ -300,3 +300,16 @@ def test_trainer_fit_evaluate_predict_compile_the_eval_step_once(tmp_path: Path)
         assert evaluated[key] == pytest.approx(value, abs=1e-6, rel=1e-6), key
     expected = ft.predict(result.state, ft.make_predict_step(model), val, batch_size=101, collect=True)
     torch.testing.assert_close(preds, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_padded_training_under_two_processes_equals_unpadded(tmp_path: Path):
+    """Data parallelism: rank 1's share of the last batch is empty (padded: all rows masked); the
+    example-weighted gradient all-reduce gives the unpadded epoch's params."""
+    from tests.test_distributed_torchrun import _torchrun
+
+    for rank in _torchrun("padded", str(tmp_path)):
+        (plain, plain_loss), (padded_params, padded_loss) = rank["unpadded"], rank["padded"]
+        assert float(padded_loss) == pytest.approx(float(plain_loss), abs=1e-6)
+        for name in plain:
+            torch.testing.assert_close(padded_params[name], plain[name], atol=1e-6, rtol=0)
