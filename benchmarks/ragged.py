@@ -46,30 +46,56 @@ VARIANTS = ("static", "padded", "mark-dynamic")
 KINDS = ("eval", "train")
 
 
-def _data(workload: common.Workload, batches: int, remainder: int) -> torch.utils.data.TensorDataset:
+class _Rows(torch.utils.data.Dataset):
+    """Examples ``(x, y)``, or ``{"input": x, "labels": y}`` (the layout of Hugging Face batches)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, as_dict: bool) -> None:
+        self.x, self.y, self.as_dict = x, y, as_dict
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return {"input": self.x[i], "labels": self.y[i]} if self.as_dict else (self.x[i], self.y[i])
+
+
+def _data(workload: common.Workload, batches: int, remainder: int, as_dict: bool) -> _Rows:
     g = torch.Generator().manual_seed(0)
     xs, ys = zip(
         *(common.build_batch(workload) if i == 0 else workload.make_batch(g) for i in range(batches + 1))
     )
     x, y = torch.cat(xs), torch.cat(ys)
-    size = xs[0].shape[0]
-    n = batches * size + remainder
+    n = batches * xs[0].shape[0] + remainder
     if y.shape[0] != x.shape[0]:  # per-token targets (the transformer): regroup per example
         y = y.reshape(x.shape[0], -1)
-    return torch.utils.data.TensorDataset(x[:n], y[:n])
+    return _Rows(x[:n], y[:n], as_dict)
 
 
-def _loss(model, batch):
+def _own_loss(model, batch):
+    """A loss function of one's own (padded: row 0 run once more to take the padding back out)."""
     x, y = batch
     logits = model(x)
     return F.cross_entropy(logits, y.reshape(-1)), {"preds": logits, "target": y.reshape(-1)}
+
+
+def _labels_loss(model, batch):
+    """A per-token loss on a dict batch with ``labels`` (padded: the padded rows' labels are -100)."""
+    logits, labels = model(batch["input"]), batch["labels"].reshape(-1)
+    return F.cross_entropy(logits, labels), {"preds": logits, "target": labels}
+
+
+def _loss_fn(workload: str, loss: str):
+    """``--loss default``: supervised_loss (per-example losses) for the MLP, labels for the transformer."""
+    if loss == "own":
+        return _own_loss
+    return _labels_loss if workload == "transformer" else ft.supervised_loss(F.cross_entropy)
 
 
 def _marked(batches, marked: bool):
     """The batches, the first one's tensors marked dynamic along dim 0 when ``marked``."""
     for batch in batches:
         if marked:
-            for t in batch:
+            for t in ft.tree.leaves(batch):
                 torch._dynamo.mark_dynamic(t, 0)
             marked = False
         yield batch
@@ -79,7 +105,9 @@ class Runner:
     """One variant of one step over the ragged data: ``one_pass()`` (every batch, one sync at the end, the
     loop of ``evaluate``) and ``full_batch()`` (one full batch, synced)."""
 
-    def __init__(self, workload_name: str, variant: str, kind: str, batches: int, remainder: int) -> None:
+    def __init__(
+        self, workload_name: str, variant: str, kind: str, batches: int, remainder: int, loss: str
+    ) -> None:
         workload = common.WORKLOADS[workload_name]
         model = common.build_model(workload)
         self.variant, self.kind = variant, kind
@@ -87,13 +115,14 @@ class Runner:
         self.state = ft.TrainState.create(model, ft.optim.adamw(common.LR), copy=False)
         padded = variant == "padded"
         if kind == "eval":
-            step = ft.make_eval_step(model, _loss)
+            step = ft.make_eval_step(model, _loss_fn(workload_name, loss))
             step.masked_batches = padded
         else:
-            step = ft.make_train_step(model, _loss)
+            step = ft.make_train_step(model, _loss_fn(workload_name, loss))
         dynamic = None if variant == "mark-dynamic" else False
         self.jitted = ft.jit(step, dynamic=dynamic, max_compiles=4)
-        data = _data(workload, batches, remainder)
+        as_dict = loss == "default" and workload_name == "transformer"
+        data = _data(workload, batches, remainder, as_dict)
         self.loader = Loader(data, self.size, shuffle=False, prefetch=0, pad_last=padded and kind == "train")
         full = next(iter(self.loader.epoch(0)))
         self.full = padding.pad_batch(full, self.size) if padded and kind == "eval" else full
@@ -119,22 +148,29 @@ class Runner:
         out["loss"].item()
 
 
-def child_compile(workload: str, variant: str, kind: str, batches: int, remainder: int) -> dict:
+def child_compile(workload: str, variant: str, kind: str, batches: int, remainder: int, loss: str) -> dict:
     """Compiles and compile seconds of one variant: its first pass, in a process of its own."""
-    runner = Runner(workload, variant, kind, batches, remainder)
+    runner = Runner(workload, variant, kind, batches, remainder, loss)
     runner.one_pass()
     return {"compiles": runner.jitted.num_compiles, "compile_s": runner.jitted.compile_seconds}
 
 
-def child_timing(workload: str, kind: str, batches: int, remainder: int, repeats: int) -> dict:
+def child_timing(workload: str, kind: str, batches: int, remainder: int, repeats: int, loss: str) -> dict:
     """Median ms of a whole pass and of a full batch per variant, compiled, timed interleaved in one process
     (each repeat runs every variant in turn, in a rotated order)."""
-    runners = {v: Runner(workload, v, kind, batches, remainder) for v in VARIANTS}
-    for runner in runners.values():
-        runner.one_pass()  # compiles
-    times: dict[str, dict[str, list[float]]] = {v: {"pass": [], "full": []} for v in VARIANTS}
+    runners = {}
+    for variant in VARIANTS:
+        runner = Runner(workload, variant, kind, batches, remainder, loss)
+        try:
+            runner.one_pass()  # compiles
+        except Exception as e:  # reported by the compile child; left out of the timing
+            print(f"{variant}: {type(e).__name__}", file=sys.stderr)
+            continue
+        runners[variant] = runner
+    times: dict[str, dict[str, list[float]]] = {v: {"pass": [], "full": []} for v in runners}
+    names = tuple(runners)
     for r in range(repeats):
-        order = VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for variant in order:
             for what, run, calls in (
                 ("pass", runners[variant].one_pass, 1),
@@ -157,17 +193,13 @@ def run_child(args: argparse.Namespace, *child: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="ragged-bench-") as cache:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"}
         argv = [sys.executable, __file__, "--child", *child]
-        argv += [
-            "--batches",
-            str(args.batches),
-            "--remainder",
-            str(args.remainder),
-            "--repeats",
-            str(args.repeats),
-        ]
+        for option in ("batches", "remainder", "repeats", "loss"):
+            argv += [f"--{option}", str(getattr(args, option))]
         out = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0:
-        raise RuntimeError(f"{' '.join(child)} failed:\n{out.stderr[-3000:]}")
+        errors = [line for line in out.stderr.splitlines() if "Error" in line and ":" in line]
+        print(f"{' '.join(child)} failed:\n{out.stderr[-3000:]}", file=sys.stderr)
+        return {"error": (errors or ["failed"])[-1].strip()[:160]}
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -181,15 +213,22 @@ def main() -> None:
     parser.add_argument("--remainder", type=int, default=5, help="examples in the short last batch")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "ragged.md")
+    parser.add_argument(
+        "--loss",
+        default="default",
+        choices=("default", "own"),
+        help="default: supervised_loss for the MLP (per-example losses), a dict batch with labels for the "
+        "transformer (-100 on padded rows); own: a loss function of one's own (row 0 run once more)",
+    )
     parser.add_argument("--rounds", type=int, default=2, help="cold compiles per variant (median)")
     parser.add_argument("--child", nargs="+", metavar="ARG")
     args = parser.parse_args()
     if args.child:
         what, *rest = args.child
         if what == "compile":
-            result = child_compile(*rest, args.batches, args.remainder)
+            result = child_compile(*rest, args.batches, args.remainder, args.loss)
         else:
-            result = child_timing(*rest, args.batches, args.remainder, args.repeats)
+            result = child_timing(*rest, args.batches, args.remainder, args.repeats, args.loss)
         print(json.dumps(result))
         return
     rows = [
@@ -204,9 +243,18 @@ def main() -> None:
                 for variant in VARIANTS[r % 3 :] + VARIANTS[: r % 3]:
                     compiles[variant].append(run_child(args, "compile", workload, variant, kind))
             timing = run_child(args, "timing", workload, kind)
-            seconds = {v: statistics.median(c["compile_s"] for c in compiles[v]) for v in VARIANTS}
+            failed = {v: c[0]["error"] for v, c in compiles.items() if "error" in c[0]}
+            seconds = {
+                v: statistics.median(c["compile_s"] for c in compiles[v]) for v in VARIANTS if v not in failed
+            }
             base, base_s = timing["padded"], seconds["padded"]
             for variant in VARIANTS:
+                if variant in failed:
+                    rows.append(
+                        f"| {workload} | {kind} | {variant} | does not compile: `{failed[variant]}` |||||||"
+                    )
+                    print(rows[-1], flush=True)
+                    continue
                 r = timing[variant]
                 rows.append(
                     f"| {workload} | {kind} | {variant} | {compiles[variant][0]['compiles']} | "
@@ -219,7 +267,7 @@ def main() -> None:
     header = (
         f"# Ragged last batch: padded vs mark_dynamic vs recompiling\n\n`python benchmarks/ragged.py "
         f"--workloads {' '.join(args.workloads)} --batches {args.batches} --remainder {args.remainder} "
-        f"--repeats {args.repeats} --rounds {args.rounds}`; torch {torch.__version__}, {device}, "
+        f"--repeats {args.repeats} --rounds {args.rounds} --loss {args.loss}`; torch {torch.__version__}, {device}, "
         f"{time.strftime('%Y-%m-%d', time.gmtime())}.\n\n"
     )
     args.out.write_text(header + "\n".join(rows) + "\n")
