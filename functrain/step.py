@@ -464,18 +464,23 @@ def make_train_step(
 
 
 def _loss_over_real_rows(
-    loss_fn: LossFn, call: Callable[..., Any], batch: Batch, *masking: Any
+    loss_fn: LossFn,
+    call: Callable[..., Any],
+    batch: Batch,
+    mask: torch.Tensor | None = None,
+    count: torch.Tensor | None = None,
+    first: Batch = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """``loss_fn``'s ``(loss, aux)``; with ``masking`` (``mask, count, first``: :func:`_masking`) over
+    """``loss_fn``'s ``(loss, aux)``; given a ``mask`` (``mask, count, first``: :func:`_masking`), over
     the real rows of a padded batch only (:func:`functrain.data.padding.masked_loss`)."""
     per_example = getattr(loss_fn, "per_example", None)
     return masked_loss(
         lambda b: _split_loss_output(loss_fn(call, b)),
         batch,
-        *(masking[:1] or (None,)),
-        per_example=(lambda b: per_example(call, b)) if per_example is not None else None,
-        count=masking[1] if masking else None,
-        first=masking[2] if masking else None,
+        mask,
+        per_example=None if per_example is None else lambda b: per_example(call, b),
+        count=count,
+        first=first,
     )
 
 

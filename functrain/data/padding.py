@@ -227,7 +227,8 @@ def masked_loss(
 
     The loss is the real rows' per-example losses summed and divided by ``count`` (default: the real
     rows of ``mask``; a micro-batch of an accumulated step passes the whole batch's count, so that the
-    micro-batches' losses and gradients add up to the batch's mean). Three cases, first match wins:
+    micro-batches' losses and gradients add up to the batch's mean). As for ``accumulate``, a loss is
+    taken to be the mean of its examples' losses. Three cases, first match wins:
 
     - ``per_example(batch) -> (losses [rows], aux)`` given (the loss functions of
       :func:`functrain.supervised_loss` have one): the padded rows weigh exactly zero, dropout and all;
