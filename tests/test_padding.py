@@ -95,6 +95,8 @@ def test_padded_stream_pads_only_steps_that_take_masks():
     out = list(padded(batches, step, None))
     assert [n for _, n in out] == [4, 1] and [b.mask.shape[0] for b, _ in out] == [4, 4]
     assert list(padded(batches, lambda s, b: b, 4)) == [(b, None) for b in batches]
+    loader = Loader(_data(5), 4, shuffle=False, prefetch=0, pad_last=True)  # padded already
+    assert [n for _, n in padded(loader.epoch(0), step, 4)] == [4, 1]
 
 
 def test_masked_loss_takes_the_padded_rows_back_out_of_a_mean_loss():

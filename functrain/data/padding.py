@@ -192,6 +192,9 @@ def padded(batches: Iterable[Any], step: Any, size: int | None) -> Iterator[tupl
             yield batch, None
         return
     for batch in batches:
+        if isinstance(batch, MaskedBatch):  # padded already (a Loader with pad_last): count its mask
+            yield batch, int(batch.mask.sum())
+            continue
         n = num_examples(batch)
         size = n if size is None else size
         yield pad_batch(batch, max(size, n)), n
