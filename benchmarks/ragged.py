@@ -199,7 +199,9 @@ def run_child(args: argparse.Namespace, *child: str) -> dict:
     if out.returncode != 0:
         errors = [line for line in out.stderr.splitlines() if "Error" in line and ":" in line]
         print(f"{' '.join(child)} failed:\n{out.stderr[-3000:]}", file=sys.stderr)
-        return {"error": (errors or ["failed"])[-1].strip()[:160]}
+        # the innermost message: dynamo wraps it as "... got RuntimeError('<message>\n<C++ frames>')"
+        error = (errors or ["failed"])[-1].split(" got ")[-1].split("\\n")[0].strip()
+        return {"error": error[:120]}
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -15,12 +15,14 @@ example count are padded; other leaves (0-d tensors, numbers, per-batch constant
 pass through unchanged. A batch with zero examples (a rank's empty share of a distributed last batch)
 has no row to copy: it is padded with zeros, and its mask is all false.
 
-Why padding and not ``torch._dynamo.mark_dynamic`` on the batch dimension (measured by
-``benchmarks/ragged.py`` on CPU: the same ms per full batch; the dynamic graph compiled in 0.6-0.7x the
-padded step's seconds): a symbolic batch size still recompiles for a last batch of one example (torch
-specialises sizes 0 and 1, as for an empty distributed shard), and a dynamic graph gives up the static
-shapes that CUDA graphs and autotuned kernels are built for. Padding compiles one graph at the shape the
-user chose, for every remainder.
+Why padding and not ``torch._dynamo.mark_dynamic`` on the batch dimension (``benchmarks/ragged.py``,
+CPU, ``benchmarks/results/ragged.md``): both compile once for a remainder of 5 in about the same time
+and run a full batch in the same ms, but a symbolic batch size still recompiles for a last batch of one
+example (torch specialises sizes 0 and 1, as for an empty distributed shard), the benchmark
+transformer's train step does not compile with it (its dropout under ``torch.func.grad``: ``Cannot call
+numel() on tensor with symbolic sizes``), and a dynamic graph gives up the static shapes that CUDA graphs and autotuned
+kernels are built for. Padding compiles one graph at the shape the user chose, for every remainder; the
+price is the short batch computed at full size (a pass ~1.1x longer with 8 full batches).
 
 Example:
     >>> import torch
