@@ -361,6 +361,10 @@ def make_train_step(
     cast = autocast_dtype(precision)
     expected = _expected_names(model if isinstance(model, nn.Module) else None)
     bind, set_mode = _model_call(model), _mode_setter(model)
+    batch_statistics = not freeze_batchnorm and any(
+        isinstance(m, nn.modules.batchnorm._BatchNorm)
+        for m in (model.modules() if isinstance(model, nn.Module) else ())
+    )
 
     def loss_of(params: dict, buffers: dict, batch: Batch, scale: torch.Tensor | None, *masking: Any) -> Any:
         # Buffers are inputs of the differentiated function and cloned, so modules that update them in
@@ -395,6 +399,12 @@ def make_train_step(
         set_mode(True, freeze_batchnorm)
         scale = state.loss_scale.scale if state.loss_scale is not None else None
         batch, mask = unmask(batch)  # a padded batch (functrain.data.padding): its real rows count
+        if mask is not None and batch_statistics:
+            raise ValueError(
+                "a padded training batch (Loader(pad_last=True) / pad_train_batches) and a model with "
+                "BatchNorm in training mode: the padded rows would enter the batch statistics. Use "
+                "drop_last=True, or freeze_batchnorm=True"
+            )
         micro = split_batch(batch, accumulate) if accumulate > 1 else [batch]
         masking = _masking(batch, mask, accumulate)
         total = sum(num_examples(b) for b in micro) if accumulate > 1 and mask is None else 1

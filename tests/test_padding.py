@@ -256,6 +256,16 @@ def test_dropout_rows_weigh_zero_with_per_example_losses():
         torch.testing.assert_close(a.params[name], b.params[name], atol=1e-6, rtol=0)
 
 
+def test_padded_training_with_batchnorm_statistics_is_refused():
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+    state = ft.TrainState.create(model, ft.optim.sgd(0.1))
+    batch = pad_batch(_data(5).tensors, 8)
+    with pytest.raises(ValueError, match=r"BatchNorm in training mode.*drop_last=True, or freeze_batchnorm"):
+        ft.make_train_step(model, ft.supervised_loss(F.cross_entropy))(state, batch)
+    frozen = ft.make_train_step(model, ft.supervised_loss(F.cross_entropy), freeze_batchnorm=True)
+    frozen(state, batch)  # running statistics only: the padded rows weigh zero
+
+
 # ------------------------------------------------------------------------------------------ compiled
 
 

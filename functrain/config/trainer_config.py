@@ -156,7 +156,9 @@ class TrainerConfig(ConfigSection):
         True, doc="Pad a short evaluation/prediction batch to the batch size, masked: one compile."
     )
     pad_train_batches: bool = option(
-        False, doc="Pad the short last training batch, masked (weight zero): no recompile for it."
+        False,
+        doc="Pad the short last training batch, masked (weight zero): no recompile for it. Exact for "
+        "Hugging Face labels or models without dropout; refused with BatchNorm (use drop_last).",
     )
     num_workers: int = option(0, doc="DataLoader worker processes (0 loads in the main process).", minimum=0)
     pin_memory: bool = option(False, doc="Pin host batches in page-locked memory for faster GPU copies.")
