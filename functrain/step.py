@@ -38,6 +38,7 @@ from torch.func import functional_call, grad_and_value
 
 from functrain import _foreach as foreach
 from functrain import tree
+from functrain.data.padding import masked_loss, trim, unmask
 from functrain.optim import all_finite, apply_gradients
 from functrain.precision import autocast_dtype
 from functrain.remat import routed_checkpoint
@@ -75,6 +76,8 @@ class StepSpec:
         settle: what ``jit`` runs eagerly once before the first trace (a train step's forward).
         members: the step runs every member of an ensemble state at once (``functrain.ensemble``).
         sharding: how the step's state is laid out over the devices (``None``: replicated).
+        masked_batches: the step takes :class:`functrain.data.padding.MaskedBatch` inputs, so ``fit``,
+            ``evaluate`` and ``predict`` pad a short last batch to the compiled batch size.
 
     Example:
         >>> step = ft.make_train_step(torch.nn.Linear(4, 3), ft.supervised_loss(F.cross_entropy))
@@ -89,6 +92,7 @@ class StepSpec:
     settle: Callable[..., Any] | None = dataclasses.field(default=None, repr=False)
     members: bool = False
     sharding: Any = None
+    masked_batches: bool = False
 
     def check(self, state: Any, who: str = "fit") -> None:
         """Refuse a train step that cannot train ``state`` here: processes that would drift apart (no
@@ -179,7 +183,16 @@ def supervised_loss(criterion: Callable[[Any, Any], torch.Tensor]) -> LossFn:
         preds = model(x)
         return criterion(preds, y), {"preds": preds, "target": y}
 
+    def per_example(model: Callable[..., Any], batch: Batch) -> tuple[torch.Tensor, dict[str, Any]]:
+        # One loss per example (the criterion on each row as a batch of one), so that a padded batch's
+        # masked rows weigh exactly zero, dropout and all (functrain.data.padding.masked_loss).
+        x, y = _inputs_and_target(batch)
+        preds = model(x)
+        losses = torch.vmap(lambda p, t: criterion(p.unsqueeze(0), t.unsqueeze(0)))(preds, y)
+        return losses, {"preds": preds, "target": y}
+
     loss_fn.criterion = criterion  # type: ignore[attr-defined]
+    loss_fn.per_example = per_example  # type: ignore[attr-defined]
     return loss_fn
 
 
@@ -419,6 +432,11 @@ def make_train_step(
             ``reducer(grads, loss, metrics, buffers, old_buffers, num_examples)`` after the backward and
             returns them combined over all ranks (example-weighted), inside the same compiled graph.
 
+    A padded batch (a :class:`~functrain.data.MaskedBatch`, ``Loader(..., pad_last=True)``) keeps the
+    compiled shape for a short last batch: its masked rows weigh zero in the loss, the gradient, the
+    metrics and the data-parallel example weighting (:func:`functrain.data.padding.masked_loss` says
+    when that is exact: per-example losses always; other losses without dropout or BatchNorm).
+
     Returns:
         ``train_step``; ``metrics`` holds ``loss`` (example-weighted over micro-batches),
         ``grad_norm`` (before clipping), the loss function's extra metrics and, with fp16,
@@ -434,13 +452,17 @@ def make_train_step(
     cast = autocast_dtype(precision)
     expected = _expected_names(model if isinstance(model, nn.Module) else None)
     bind, set_mode = _model_call(model), _mode_setter(model)
+    batch_statistics = not freeze_batchnorm and any(
+        isinstance(m, nn.modules.batchnorm._BatchNorm)
+        for m in (model.modules() if isinstance(model, nn.Module) else ())
+    )
 
-    def loss_of(params: dict, buffers: dict, batch: Batch, scale: torch.Tensor | None) -> Any:
+    def loss_of(params: dict, buffers: dict, batch: Batch, scale: torch.Tensor | None, *masking: Any) -> Any:
         # Buffers are inputs of the differentiated function and cloned, so modules that update them in
         # place (BatchNorm) write into the clones, which leave as auxiliary output.
         buffers = {k: v.clone() for k, v in buffers.items()}
         with _autocast(_device_of(params), cast):
-            loss, aux = _split_loss_output(loss_fn(bind(params, buffers), batch))
+            loss, aux = _loss_over_real_rows(loss_fn, bind(params, buffers), batch, *masking)
         loss = loss.float()
         scaled = loss * scale if scale is not None else loss
         return scaled, (loss.detach(), aux, buffers)
@@ -452,6 +474,7 @@ def make_train_step(
         Python attributes in its first forward (Hugging Face's ``config.problem_type``) does it here,
         before the first trace, so the compiled step guards the settled value (:func:`functrain.jit`)."""
         set_mode(True, freeze_batchnorm)
+        batch, _ = unmask(batch)
         first = split_batch(batch, accumulate)[0] if accumulate > 1 else batch
         buffers = {k: v.clone() for k, v in state.buffers.items()}  # BatchNorm writes into the clones
         with torch.no_grad(), _autocast(_device_of(state.params), cast), _checkpoint_routing(model):
@@ -466,18 +489,26 @@ def make_train_step(
             )
         set_mode(True, freeze_batchnorm)
         scale = state.loss_scale.scale if state.loss_scale is not None else None
+        batch, mask = unmask(batch)  # a padded batch (functrain.data.padding): its real rows count
+        if mask is not None and batch_statistics:
+            raise ValueError(
+                "a padded training batch (Loader(pad_last=True) / pad_train_batches) and a model with "
+                "BatchNorm in training mode: the padded rows would enter the batch statistics. Use "
+                "drop_last=True, or freeze_batchnorm=True"
+            )
         micro = split_batch(batch, accumulate) if accumulate > 1 else [batch]
-        total = sum(num_examples(b) for b in micro) if accumulate > 1 else 1
+        masking = _masking(batch, mask, accumulate)
+        total = sum(num_examples(b) for b in micro) if accumulate > 1 and mask is None else 1
         buffers = state.buffers
         grads: Any = None
         loss = torch.zeros((), device=_device_of(state.params))
         extra: dict[str, torch.Tensor] = {}
         preds, targets = [], []
         with _checkpoint_routing(model):
-            for mb in micro:
-                weight = num_examples(mb) / total if accumulate > 1 else 1.0
-                g, (_, (mb_loss, aux, buffers)) = grad_fn(state.params, buffers, mb, scale)
-                if accumulate > 1:
+            for i, mb in enumerate(micro):
+                weight = num_examples(mb) / total if accumulate > 1 and mask is None else 1.0
+                g, (_, (mb_loss, aux, buffers)) = grad_fn(state.params, buffers, mb, scale, *masking[i])
+                if weight != 1.0:
                     g = tree.map(lambda x, w=weight: x * w, g)
                 grads = g if grads is None else tree.map(torch.add, grads, g)
                 loss = loss + mb_loss * weight
@@ -490,7 +521,7 @@ def make_train_step(
 
         if gradient_reducer is not None:
             grads, loss, extra, buffers = gradient_reducer(
-                grads, loss, extra, buffers, state.buffers, num_examples(batch)
+                grads, loss, extra, buffers, state.buffers, _real_examples(batch, mask)
             )
         loss_scale = state.loss_scale
         finite = None
@@ -510,7 +541,7 @@ def make_train_step(
 
         metric_state = state.metrics
         if metrics is not None and metric_state is not None:
-            metric_state = metrics.update(metric_state, **_metric_inputs(preds, targets, loss, batch))
+            metric_state = metrics.update(metric_state, **_metric_inputs(preds, targets, loss, batch, mask))
 
         out = {"loss": loss, "grad_norm": tree.global_norm(grads), **extra}
         if loss_scale is not None:
@@ -531,8 +562,45 @@ def make_train_step(
         metrics=metrics,
         gradient_reducer=gradient_reducer,
         settle=settle if isinstance(model, nn.Module) else None,
+        masked_batches=True,
     )
     return attach_spec(train_step, spec, "metrics", "gradient_reducer")
+
+
+def _loss_over_real_rows(
+    loss_fn: LossFn,
+    call: Callable[..., Any],
+    batch: Batch,
+    mask: torch.Tensor | None = None,
+    count: torch.Tensor | None = None,
+    first: Batch = None,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """``loss_fn``'s ``(loss, aux)``; given a ``mask`` (``mask, count, first``: :func:`_masking`), over
+    the real rows of a padded batch only (:func:`functrain.data.padding.masked_loss`)."""
+    per_example = getattr(loss_fn, "per_example", None)
+    return masked_loss(
+        lambda b: _split_loss_output(loss_fn(call, b)),
+        batch,
+        mask,
+        per_example=None if per_example is None else lambda b: per_example(call, b),
+        count=count,
+        first=first,
+    )
+
+
+def _masking(batch: Batch, mask: torch.Tensor | None, parts: int) -> list[tuple[Any, ...]]:
+    """Per micro-batch ``(mask, count, first)`` of a padded batch (its mask's slice, the whole batch's
+    real examples, its row 0), or ``()`` each for a batch without a mask."""
+    if mask is None:
+        return [()] * parts
+    count, first = mask.sum().clamp(min=1).float(), trim(batch, 1, int(mask.shape[0]))
+    masks = mask.tensor_split(parts) if parts > 1 else (mask,)
+    return [(m, count, first) for m in masks]
+
+
+def _real_examples(batch: Batch, mask: torch.Tensor | None) -> Any:
+    """The examples of a batch: its leading size (an int), or the true rows of a padded batch's mask."""
+    return num_examples(batch) if mask is None else mask.sum()
 
 
 def _where_leaf(pred: torch.Tensor) -> Callable[[Any, Any], Any]:
@@ -544,8 +612,10 @@ def _where_leaf(pred: torch.Tensor) -> Callable[[Any, Any], Any]:
     return pick
 
 
-def _metric_inputs(preds: list, targets: list, loss: torch.Tensor, batch: Batch) -> dict[str, Any]:
-    inputs: dict[str, Any] = {"loss": loss, "num_examples": num_examples(batch)}
+def _metric_inputs(
+    preds: list, targets: list, loss: torch.Tensor, batch: Batch, mask: torch.Tensor | None = None
+) -> dict[str, Any]:
+    inputs: dict[str, Any] = {"loss": loss, "num_examples": _real_examples(batch, mask), "mask": mask}
     if preds:
         inputs["preds"] = preds[0] if len(preds) == 1 else torch.cat(preds)
     if targets:
@@ -569,7 +639,9 @@ def make_eval_step(
 
     The result holds ``loss`` (0-d), ``num_examples`` (int), ``metrics`` (the collection's state for this
     batch, to be merged across batches; ``None`` without a collection) and, with ``return_preds``,
-    ``preds``.
+    ``preds``. For a padded batch (:class:`~functrain.data.MaskedBatch`, which :func:`functrain.evaluate`
+    makes of a short last batch so that the step compiles once) they are the real rows': the loss is
+    their mean, ``num_examples`` their count (a 0-d tensor) and the metrics get the ``mask``.
 
     Example:
         >>> eval_step = make_eval_step(model, supervised_loss(torch.nn.functional.cross_entropy))
@@ -584,21 +656,24 @@ def make_eval_step(
     def eval_step(state: Any, batch: Batch) -> dict[str, Any]:
         _check_state_matches(state, expected)
         set_mode(False)
+        batch, mask = unmask(batch)  # a padded batch (functrain.data.padding): its real rows count
         with torch.no_grad(), _autocast(_device_of(state.params), cast):
-            loss, aux = _split_loss_output(loss_fn(bind(state.params, state.buffers), batch))
+            call = bind(state.params, state.buffers)
+            loss, aux = _loss_over_real_rows(loss_fn, call, batch, *_masking(batch, mask, 1)[0])
         loss = loss.float()
         preds = [aux["preds"]] if "preds" in aux else []
         targets = [aux["target"]] if "target" in aux else []
-        out: dict[str, Any] = {"loss": loss, "num_examples": num_examples(batch), "metrics": None}
+        out: dict[str, Any] = {"loss": loss, "num_examples": _real_examples(batch, mask), "metrics": None}
         out.update({k: v.float() for k, v in dict(aux.get("metrics", {})).items()})
         if metrics is not None:
             empty = metrics.empty(_device_of(state.params))
-            out["metrics"] = metrics.update(empty, **_metric_inputs(preds, targets, loss, batch))
+            out["metrics"] = metrics.update(empty, **_metric_inputs(preds, targets, loss, batch, mask))
         if return_preds:
             out["preds"] = aux.get("preds")
         return out
 
-    return attach_spec(eval_step, StepSpec(kind="eval", model=model, metrics=metrics), "metrics")
+    spec = StepSpec(kind="eval", model=model, metrics=metrics, masked_batches=True)
+    return attach_spec(eval_step, spec, "metrics")
 
 
 def make_predict_step(
@@ -610,7 +685,8 @@ def make_predict_step(
     """Build ``predict_step(state, batch) -> outputs`` in eval mode.
 
     ``forward(model_call, batch)`` defaults to calling the model on the batch's inputs (the first element
-    of a tuple, the ``input`` entry of a dict, or the batch itself).
+    of a tuple, the ``input`` entry of a dict, or the batch itself). A padded batch
+    (:class:`~functrain.data.MaskedBatch`) runs whole; :func:`functrain.predict` cuts the padded rows off.
 
     Example:
         >>> predict_step = make_predict_step(model)
@@ -636,7 +712,8 @@ def make_predict_step(
 
     def predict_step(state: Any, batch: Batch) -> Any:
         set_mode(False)
+        batch, _ = unmask(batch)  # a padded batch: the loop cuts the padded rows off the outputs
         with torch.no_grad(), _autocast(_device_of(state.params), cast):
             return fwd(bind(state.params, state.buffers), batch)
 
-    return attach_spec(predict_step, StepSpec(kind="predict", model=model))
+    return attach_spec(predict_step, StepSpec(kind="predict", model=model, masked_batches=True))

@@ -4,7 +4,8 @@
 
 Modes: ``train`` (20 uninterrupted steps + evaluation, a run stopped at step 10, checks of replication,
 per-rank randomness and BatchNorm buffers), ``resume`` (continue the stopped run to step 20), ``compile``
-(a few compiled steps against eager ones). Each rank writes ``OUT_DIR/<mode>_rank<r>.pt``.
+(a few compiled steps against eager ones), ``padded`` (an epoch with pad_last, rank 1's last batch
+empty, against one without). Each rank writes ``OUT_DIR/<mode>_rank<r>.pt``.
 """
 
 from __future__ import annotations
@@ -151,6 +152,16 @@ def main(mode: str, out_dir: str) -> None:
             out["loss"] = (m_c["loss"], m_e["loss"])
             out["num_compiles"] = compiled.num_compiles
             distributed.assert_replicated(s_c.params, what="compiled params")
+        elif mode == "padded":  # one epoch, eager, short batches as they are and padded (pad_last)
+            reducer = distributed.gradient_reducer(model=model)
+            step = ft.make_train_step(model, loss_fn(), gradient_reducer=reducer)
+            shard = {"rank": env.rank, "world_size": env.world_size, "shuffle": False, "prefetch": 0}
+            for pad_last in (False, True):
+                s = state
+                data = ft.data.Loader(dataset(N_TRAIN, 1), PER_RANK_BATCH, pad_last=pad_last, **shard)
+                for batch in data.epoch(0):
+                    s, metrics = step(s, batch)
+                out["padded" if pad_last else "unpadded"] = (s.params, metrics["loss"])
         else:
             raise SystemExit(f"unknown mode {mode!r}")
         torch.save(out, os.path.join(out_dir, f"{mode}_rank{env.rank}.pt"))

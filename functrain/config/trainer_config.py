@@ -153,6 +153,14 @@ class TrainerConfig(ConfigSection):
     eval_batch_size: int | None = option(None, doc="Evaluation batch size; null uses batch_size.", minimum=1)
     shuffle: bool = option(True, doc="Reshuffle the training data each epoch (a new order per epoch).")
     drop_last: bool = option(False, doc="Drop the last incomplete training batch of each epoch.")
+    pad_eval_batches: bool = option(
+        True, doc="Pad a short evaluation/prediction batch to the batch size, masked: one compile."
+    )
+    pad_train_batches: bool = option(
+        False,
+        doc="Pad the short last training batch, masked (weight zero): no recompile for it. Exact for "
+        "Hugging Face labels or models without dropout; refused with BatchNorm (use drop_last).",
+    )
     num_workers: int = option(0, doc="DataLoader worker processes (0 loads in the main process).", minimum=0)
     pin_memory: bool = option(False, doc="Pin host batches in page-locked memory for faster GPU copies.")
     # -- optimization

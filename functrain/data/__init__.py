@@ -15,6 +15,7 @@ from functrain.data.build import as_loader
 from functrain.data.collate import CollateError, collate, empty_batch, num_examples
 from functrain.data.loader import Loader
 from functrain.data.order import epoch_order, shard_batches
+from functrain.data.padding import MaskedBatch, pad_batch, trim, unmask
 from functrain.data.position import DataPosition, num_batches, num_steps
 from functrain.data.prefetch import Prefetcher, prefetch_to_device
 from functrain.data.sources import ResumeWarning
@@ -24,6 +25,7 @@ __all__ = [
     "CollateError",
     "DataPosition",
     "Loader",
+    "MaskedBatch",
     "Prefetcher",
     "ResumeWarning",
     "as_loader",
@@ -33,8 +35,11 @@ __all__ = [
     "num_batches",
     "num_examples",
     "num_steps",
+    "pad_batch",
     "pin_memory",
     "prefetch_to_device",
     "shard_batches",
     "to_device",
+    "trim",
+    "unmask",
 ]

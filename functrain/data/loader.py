@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from functrain import random
 from functrain.data.notes import add_note
+from functrain.data.padding import pad_batch
 from functrain.data.position import DataPosition
 from functrain.data.prefetch import Prefetcher
 from functrain.data.sources import DataLoaderSource, IterableSource, MapSource
@@ -65,6 +66,12 @@ class Loader:
     ``random.generator(random.fold_in(aug_key, index))``. Do not use the global torch RNG there: with
     ``prefetch > 0`` the dataset runs in a background thread while the loop reseeds that RNG every step.
 
+    ``pad_last=True`` (opt-in, for training; evaluation and prediction pad by themselves) yields every
+    batch as a :class:`~functrain.data.MaskedBatch`, a short last batch filled up to ``batch_size`` rows
+    with a mask of its real rows, so a compiled train step keeps one shape (see
+    :mod:`functrain.data.padding`); steps from :func:`functrain.make_train_step` weigh the padded rows
+    zero in the loss and the gradient.
+
     ``prefetch`` batches are loaded and copied to ``device`` ahead by a background thread
     (``prefetch=0``: load in the caller's thread). ``pin_memory`` page-locks host batches for
     asynchronous CUDA copies.
@@ -90,6 +97,7 @@ class Loader:
         device: str | torch.device | None = None,
         rank: int = 0,
         world_size: int = 1,
+        pad_last: bool = False,
     ) -> None:
         _check_int("num_workers", num_workers, minimum=0)
         _check_int("prefetch", prefetch, minimum=0)
@@ -104,6 +112,9 @@ class Loader:
             )
         self.device = torch.device(device) if device is not None else None
         self.prefetch = prefetch
+        self.pad_last = bool(pad_last)
+        #: The rows of a full batch (per rank): what a short batch is padded to. ``None`` when unknown.
+        self.batch_size: int | None = data.batch_size if isinstance(data, DataLoader) else batch_size
         self._source: MapSource | IterableSource | DataLoaderSource
 
         if isinstance(data, DataLoader):
@@ -116,6 +127,7 @@ class Loader:
                 "num_workers": num_workers != 0,
                 "pin_memory": pin_memory,
                 "rank/world_size": world_size != 1,
+                "pad_last": pad_last,
             }
             if any(given.values()):
                 names = ", ".join(name for name, is_given in given.items() if is_given)
@@ -314,6 +326,8 @@ class Loader:
             epoch, index = epoch + 1, 0
 
     def _move(self, batch: Any) -> Any:
+        if self.pad_last and self.batch_size is not None:
+            batch = pad_batch(batch, self.batch_size)
         return to_device(batch, self.device)
 
     def _on_device(self, items: Iterator[Any], transfer: Callable[[Any], Any]) -> Iterator[Any]:

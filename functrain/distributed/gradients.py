@@ -99,14 +99,15 @@ class GradientReducer:
         metrics: Mapping[str, torch.Tensor],
         buffers: Mapping[str, torch.Tensor],
         old_buffers: Mapping[str, torch.Tensor],
-        num_examples: int,
+        num_examples: int | torch.Tensor,
     ) -> tuple[Any, torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         if not self.active:
             return grads, loss, dict(metrics), dict(buffers)
         import torch.distributed._functional_collectives as funcol
 
         device = loss.device
-        n = torch.scalar_tensor(num_examples, dtype=torch.float32, device=device)
+        # a padded batch (functrain.data.padding) counts its real rows: a 0-d tensor
+        n = torch.as_tensor(num_examples, dtype=torch.float32, device=device).reshape(())
         has = n > 0
 
         def weighted(x: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 
 from functrain import distributed, random, tree
 from functrain.callbacks.base import Callback, Context
+from functrain.data import padding
 from functrain.loop.data import as_loader, batch_device, scalar_dict
 from functrain.loop.events import Events
 from functrain.step import spec_of
@@ -35,7 +36,8 @@ def evaluate(
 
     The loss is weighted by each batch's example count (a short last batch counts for what it holds);
     metric states are merged across batches and computed once, so accuracy, F1 and the rest equal the
-    metric over the whole set. One host sync at the end.
+    metric over the whole set. One host sync at the end. A short last batch is padded to the batch size
+    with a mask of its real rows (:mod:`functrain.data.padding`): the step compiles once.
 
     Example:
         >>> metrics = ft.evaluate(state, ft.jit(ft.make_eval_step(model, loss_fn)), eval_data, batch_size=64)
@@ -54,11 +56,11 @@ def evaluate(
     count = 0
     merged = None
     extra_sums: dict[str, torch.Tensor] = {}
-    for batch in loader.epoch(0):
+    for batch, real in padding.padded(loader.epoch(0), eval_step, loader.batch_size):
         ctx.batch = batch
         state = events("eval_batch_begin", state, ctx)
         out = eval_step(state, batch)
-        n = int(out["num_examples"])
+        n = int(out["num_examples"]) if real is None else real
         if n == 0:
             continue  # an empty shard of a distributed last batch
         weighted = out["loss"] * n
@@ -95,14 +97,16 @@ def predict(
 ) -> Iterator[Any] | Any:
     """Stream ``predict_step`` outputs batch by batch (``collect=True``: concatenate them all).
 
+    A short last batch runs padded to the batch size (one compile); its outputs keep the real rows only.
+
     Example:
         >>> outputs = ft.predict(state, ft.make_predict_step(model), inputs, batch_size=32, collect=True)
     """
     loader = as_loader(data, batch_size, random.key(0), "predict", shuffle=False, device=batch_device(state))
 
     def stream() -> Iterator[Any]:
-        for batch in loader.epoch(0):
-            yield predict_step(state, batch)
+        for batch, real in padding.padded(loader.epoch(0), predict_step, loader.batch_size):
+            yield padding.unpad(predict_step(state, batch), batch, real)
 
     if not collect:
         return stream()

@@ -28,7 +28,8 @@ class Accuracy:
     """Top-k accuracy from logits ``preds`` of shape ``(..., num_classes)`` and labels ``target`` ``(...)``.
 
     ``preds`` may also be labels with the shape of ``target`` (``top_k`` must then be 1). An optional
-    ``mask`` (shape of ``target``) leaves padded examples out. ``compute`` of an empty state is ``nan``.
+    ``mask`` (shape of ``target``, or one entry per example) leaves padded examples out. ``compute`` of
+    an empty state is ``nan``.
 
     Example:
         >>> import torch
@@ -77,7 +78,9 @@ class Accuracy:
             hits = correct.sum()
             count = torch.tensor(correct.numel(), dtype=torch.int64, device=correct.device)
         else:
+            # A per-example mask (``[batch]``) broadcasts over the trailing dims (e.g. per-token labels).
             weight = mask.detach().to(torch.int64)
+            weight = weight.reshape(weight.shape + (1,) * (correct.ndim - weight.ndim)).expand_as(correct)
             hits, count = (correct.to(torch.int64) * weight).sum(), weight.sum()
         return AverageState(total=state.total + hits, count=state.count + count)
 

@@ -21,8 +21,9 @@ Not supported, with a clear error:
   sum/max/min).
 
 Inputs whose selection depends on data (``ignore_index``, which drops entries by boolean indexing) work
-eagerly but make dynamic shapes inside a compiled step; mask padding with the ``mask`` input of
-functrain's own metrics instead.
+eagerly but make dynamic shapes inside a compiled step; mask padding with the ``mask`` input instead:
+given a per-example ``mask`` (the padding of a fixed-shape batch, :mod:`functrain.data.padding`), the
+update counts the real rows only, at the batch's shape (see ``TorchMetric._masked_update``).
 
 Example:
     >>> import torch
@@ -257,6 +258,43 @@ class TorchMetric:
         preds = arguments.get("preds")
         if self._thresholded and isinstance(preds, torch.Tensor) and preds.is_floating_point():
             arguments["preds"] = _scores_to_labels(preds, self._template.threshold)
+        mask = inputs.get("mask")
+        if mask is not None and "mask" not in dict(self._inputs):
+            return self._masked_update(state, arguments, mask.detach().bool())
+        return self._run_update(state, arguments)
+
+    def _masked_update(
+        self, state: Mapping[str, torch.Tensor], arguments: dict[str, Any], mask: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """The update over the rows where ``mask`` (``[rows]``) is true, at the batch's fixed shape.
+
+        torchmetrics' sum states add up per example (counts, confusion matrices, sums of errors), so the
+        masked rows are replaced by row 0 and row 0's own contribution, once per masked row, is taken
+        back out; max/min states are unchanged by a repeated real row. Exact for integer states.
+        """
+        rows = int(mask.shape[0])
+
+        def rows_of(x: Any, real: bool) -> Any:
+            if not isinstance(x, torch.Tensor) or x.ndim == 0 or x.shape[0] != rows:
+                return x
+            if not real:
+                return x[:1]
+            return torch.where(mask.reshape((rows,) + (1,) * (x.ndim - 1)), x, x[:1])
+
+        full = self._run_update(state, {k: rows_of(v, True) for k, v in arguments.items()})
+        empty = self.empty(next(iter(state.values())).device)
+        one = self._run_update(empty, {k: rows_of(v, False) for k, v in arguments.items()})
+        masked_rows = rows - mask.sum()
+        out = {}
+        for name, reduction in self._reductions.items():
+            if reduction == "sum":
+                delta = one[name] - empty[name]
+                out[name] = full[name] - delta * masked_rows.to(delta.dtype)
+            else:  # no real row at all: the state as it was
+                out[name] = torch.where(mask.any(), full[name], state[name])
+        return out
+
+    def _run_update(self, state: Mapping[str, torch.Tensor], arguments: dict[str, Any]) -> dict[str, Any]:
         shim = self._shim()
         for state_name, value in state.items():
             # Some torchmetrics updates add in place (`self.total += n`): never touch the caller's tensors.

@@ -271,6 +271,7 @@ def loader(
     key: torch.Tensor | None,
     device: torch.device,
     collate_fn: Callable[[list[Any]], Any] | None = None,
+    pad_last: bool = False,
 ) -> data.Loader:
     """A Loader over ``dataset`` with the config's data settings; ``key`` given: the training order
     (``shuffle``, ``drop_last``), else evaluation's (in order, every example). Each rank reads its slice.
@@ -287,8 +288,23 @@ def loader(
         "pin_memory": config.pin_memory,
         "device": device,
     }
+    if pad_last:  # training's opt-in (pad_train_batches): a short last batch padded with a mask
+        options["pad_last"] = True
     shuffle = config.shuffle if train else False
     return data.as_loader(dataset, batch_size, key, "Trainer", shuffle=shuffle, shard=True, options=options)
+
+
+def pads(config: TrainerConfig, kind: str, *, overridden: bool = False) -> bool:
+    """Whether the ``kind`` step's batches are padded to the batch size (:mod:`functrain.data.padding`):
+    the config says so (``pad_eval_batches``, ``pad_train_batches``; never in a sweep), and the step is the
+    Trainer's own (``overridden``: a subclass's step gets its batches as they are).
+
+    Example:
+        >>> pads(TrainerConfig(max_steps=1), "eval"), pads(TrainerConfig(max_steps=1), "train")
+        (True, False)
+    """
+    wanted = config.pad_train_batches if kind == "train" else config.pad_eval_batches
+    return bool(wanted) and not config.sweep and not overridden
 
 
 def initial_state(

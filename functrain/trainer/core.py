@@ -288,20 +288,28 @@ class Trainer:
             self._jitted[kind].spec = StepSpec(
                 metrics=spec_of(self._eval_step).metrics if kind == "eval" else None,
                 gradient_reducer=spec_of(self._train_step).gradient_reducer,
+                masked_batches=build.pads(self.config, kind, overridden=_overridden(self, kind)),
             )
         return self._jitted[kind]
 
     def _loader(self, dataset: Any, batch_size: int, *, train: bool) -> Any:
         key = data_key(self.state) if train else None
+        pad = train and build.pads(self.config, "train", overridden=_overridden(self, "train"))
         return build.loader(
-            self.config, dataset, batch_size, key=key, device=self.device, collate_fn=self.data_collator
-        )
+            self.config, dataset, batch_size, key=key, device=self.device, collate_fn=self.data_collator,
+            pad_last=pad,
+        )  # fmt: skip
 
     def _loggers(self, log_dir: Path) -> list[Any]:
         return build.loggers(self.config, log_dir)
 
     def _check_output_dir(self, out: Path) -> None:
         run_dir.check(self.config, out)
+
+
+def _overridden(trainer: Trainer, kind: str) -> bool:
+    """Whether a subclass replaced the Trainer's ``train_step``/``eval_step`` (its batches stay as they are)."""
+    return kind != "predict" and getattr(type(trainer), f"{kind}_step") is not getattr(Trainer, f"{kind}_step")
 
 
 def _losses(trainer: Trainer) -> build.Losses:
