@@ -4,7 +4,6 @@ with a mask, and every number of a padded run equal to the unpadded one (issue 2
 from __future__ import annotations
 
 import dataclasses
-
 from pathlib import Path
 
 import pytest

@@ -309,7 +309,9 @@ class Trainer:
 
 def _overridden(trainer: Trainer, kind: str) -> bool:
     """Whether a subclass replaced the Trainer's ``train_step``/``eval_step`` (its batches stay as they are)."""
-    return kind != "predict" and getattr(type(trainer), f"{kind}_step") is not getattr(Trainer, f"{kind}_step")
+    return kind != "predict" and getattr(type(trainer), f"{kind}_step") is not getattr(
+        Trainer, f"{kind}_step"
+    )
 
 
 def _losses(trainer: Trainer) -> build.Losses:
