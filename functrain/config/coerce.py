@@ -235,7 +235,7 @@ def _parse_float(value: Any) -> float | None:
         try:
             return float(value)
         except OverflowError:  # beyond float's range (~1.8e308)
-            return math.copysign(math.inf, value)
+            return math.inf if value > 0 else -math.inf
     if isinstance(value, str):
         try:
             return float(value.strip())

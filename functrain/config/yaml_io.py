@@ -2,7 +2,9 @@
 
 Reading is total: whatever bytes a file holds, the result is a mapping or a `ConfigError` naming the
 file (and the line and column where YAML gives one), within a fraction of a second for inputs up to a
-few MB. The file must be UTF-8 and at most :data:`MAX_BYTES` long; the document is parsed once, with
+few MB. The file must be UTF-8 and at most :data:`MAX_BYTES` long, with at most :data:`MAX_NODES` values
+(each costs ~1 KB and ~5 us to build; a document that may hold more is counted first, by the parser's
+events, which stops at the limit); the document is parsed once, with
 libyaml's C parser where PyYAML has it (``yaml.CSafeLoader``, the pure-Python ``SafeLoader`` otherwise);
 the node graph is then checked before anything is built from it:
 
@@ -36,6 +38,7 @@ __all__ = [
     "MAX_ALIAS_NODES",
     "MAX_BYTES",
     "MAX_DEPTH",
+    "MAX_NODES",
     "MAX_NUMBER_CHARS",
     "dump_yaml",
     "load_yaml",
@@ -44,13 +47,13 @@ __all__ = [
     "write_text_atomic",
 ]
 
-MAX_BYTES = 8 * 2**20  # a config file is a few KB; 8 MB is room for long lists in kwargs
+MAX_BYTES = 4 * 2**20  # a config file is a few KB; 4 MB is room for long text and comments
+MAX_NODES = 50_000  # values (scalars, lists, mappings) in a document: room for long lists of numbers
 MAX_DEPTH = 64  # levels of nested mappings and lists
-MAX_ALIAS_NODES = 100_000  # nodes that aliases may add to the document, once expanded
+MAX_ALIAS_NODES = 10_000  # nodes that aliases may add to the document, once expanded
 MAX_NUMBER_CHARS = 64  # characters of an integer (2**64 has 20 digits)
 
 _INT_TAG = "tag:yaml.org,2002:int"
-_BaseLoader: type = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's C parser where available
 
 
 def read_yaml_source(source: str | os.PathLike[str]) -> tuple[str, str]:
@@ -177,23 +180,35 @@ def _decode(data: bytes, where: str) -> str:
         ) from None
 
 
-class _Loader(_BaseLoader):  # type: ignore[misc, valid-type]
-    """The safe loader whose scalar conversions (``!!int abc``, ``2001-13-45``) fail as YAML errors with
-    the position, not as ``ValueError``/``KeyError``."""
+def _make_loader(base: type) -> type:
+    """The safe loader ``base`` whose scalar conversions (``!!int abc``, ``2001-13-45``) fail as YAML errors
+    with their position, not as ``ValueError``/``KeyError``."""
 
-    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
-        try:
-            return super().construct_object(node, deep=deep)
-        except yaml.YAMLError:
-            raise
-        except Exception as exc:
-            raise yaml.MarkedYAMLError(
-                problem=f"cannot read the value {_short(node)}: {type(exc).__name__}: {exc}",
-                problem_mark=node.start_mark,
-            ) from exc
+    class Loader(base):  # type: ignore[misc, valid-type]
+        def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+            try:
+                return super().construct_object(node, deep=deep)
+            except yaml.YAMLError:
+                raise
+            except Exception as exc:
+                raise yaml.MarkedYAMLError(
+                    problem=f"cannot read the value {_short(node)}: {type(exc).__name__}: {exc}",
+                    problem_mark=node.start_mark,
+                ) from exc
+
+    return Loader
+
+
+_Loader = _make_loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # libyaml's C parser where available
 
 
 def _load(text: str, where: str) -> tuple[Any, dict[str, int]]:
+    if _most_nodes(text) > MAX_NODES and _count_nodes(text, MAX_NODES) > MAX_NODES:
+        raise ConfigError.single(
+            where,
+            f"the document holds more than {MAX_NODES:,} values",
+            "a config is a few hundred values: keep data (long lists, tables) in files the config names",
+        )
     try:
         loader = _Loader(text)
         try:
@@ -219,6 +234,32 @@ def _load(text: str, where: str) -> tuple[Any, dict[str, int]]:
     return data, lines
 
 
+def _most_nodes(text: str) -> int:
+    """An upper bound on the nodes of ``text``: each node after the first follows an indicator (``,``,
+    ``:``, ``-``, ``?``, ``[``, ``{``) or a line break. Cheap (``str.count``), so exact counting is only
+    needed for large documents."""
+    return 2 * sum(text.count(c) for c in ",:-?[{\n") + 2
+
+
+def _count_nodes(text: str, limit: int) -> int:
+    """The nodes of ``text`` counted by the parser's events (no nodes built), stopping past ``limit``;
+    a syntax error ends the count (the parse that follows reports it)."""
+    loader = _Loader(text)
+    count = 0
+    try:
+        while count <= limit and loader.check_event():
+            if isinstance(loader.get_event(), _NODE_EVENTS):
+                count += 1
+    except (yaml.YAMLError, UnicodeError):
+        pass
+    finally:
+        loader.dispose()
+    return count
+
+
+_NODE_EVENTS = (yaml.ScalarEvent, yaml.AliasEvent, yaml.SequenceStartEvent, yaml.MappingStartEvent)
+
+
 def _check_graph(root: yaml.Node, lines: dict[str, int]) -> list[Problem]:
     """Problems of the node graph (duplicate keys, depth, self-containing aliases, alias expansion,
     long integers), found by one walk over each distinct node; ``lines`` is filled with field paths."""
@@ -235,13 +276,11 @@ def _check_graph(root: yaml.Node, lines: dict[str, int]) -> list[Problem]:
         where = path or "<document>"
         line = node.start_mark.line + 1
         if key in active:
-            problems.append(Problem(where, f"an alias at line {line} contains itself", "remove the alias"))
+            problems.append(Problem(where, "an alias (*name) contains itself", "remove the alias", line))
             raise _Stop
         if depth > MAX_DEPTH:
             problems.append(
-                Problem(
-                    where, f"nested more than {MAX_DEPTH} levels deep (line {line})", "flatten the document"
-                )
+                Problem(where, f"nested more than {MAX_DEPTH} levels deep", "flatten the document", line)
             )
             raise _Stop
         distinct += 1
@@ -274,8 +313,9 @@ def _check_graph(root: yaml.Node, lines: dict[str, int]) -> list[Problem]:
             problems.append(
                 Problem(
                     where,
-                    f"the integer at line {line} has {len(node.value)} characters, more than {MAX_NUMBER_CHARS}",
+                    f"the integer has {len(node.value)} characters, more than {MAX_NUMBER_CHARS}",
                     "write a number in range, or quote it if it is text",
+                    line,
                 )
             )
         active.discard(key)
@@ -284,8 +324,9 @@ def _check_graph(root: yaml.Node, lines: dict[str, int]) -> list[Problem]:
             problems.append(
                 Problem(
                     where,
-                    f"aliases (*name) expand the document to more than {total:,} nodes (line {line})",
+                    f"aliases (*name) expand the document to more than {total:,} nodes",
                     f"use aliases that add at most {MAX_ALIAS_NODES:,} nodes",
+                    line,
                 )
             )
             raise _Stop
