@@ -233,6 +233,13 @@ def test_cli_train_exits_2_without_a_traceback_on_every_bad_config(tmp_path: Pat
     runs as a real subprocess below.
     """
     inputs = _cli_inputs()
+    (tmp_path / "fuzz_cli_task.py").write_text(
+        "import torch\n\n\nclass Net(torch.nn.Module):\n    def __init__(self):\n"
+        "        super().__init__()\n        raise RuntimeError('bad init')\n"
+    )
+    inputs["model whose __init__ raises"] = (
+        b"epochs: 1\nmodel: fuzz_cli_task:Net\ntrain_dataset: 'os:getcwd'\n"
+    )
     paths = {}
     for i, (name, data) in enumerate(inputs.items()):
         paths[name] = tmp_path / f"bad{i}.yaml"
@@ -254,6 +261,8 @@ def test_cli_train_exits_2_without_a_traceback_on_every_bad_config(tmp_path: Pat
         "model: built os.getpid(...) returned int, expected an nn.Module"
         in results[str(paths["model os.system returns an int"])][1]
     )
+    init_error = results[str(paths["model whose __init__ raises"])][1]
+    assert f"(at {tmp_path / 'fuzz_cli_task.py'}:7, in __init__)" in init_error
 
 
 def test_cli_train_subprocess_exit_2_no_traceback(tmp_path: Path) -> None:
