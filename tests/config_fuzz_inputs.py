@@ -189,6 +189,7 @@ def bombs() -> dict[str, bytes]:
         "3 MB comment": "epochs: 1\n" + "# " + "x" * 3_000_000 + "\n",
         "1 MB key": "k" * 1_000_000 + ": 1\n",
         "100k unknown keys": "".join(f"k{i}: {i}\n" for i in range(100_000)),
+        "49,000 values (valid)": "epochs: 1\noptimizer: {args: {w: [" + ", ".join(["0.5"] * 49_000) + "]}}\n",
     }
     out = {name: text.encode("utf-8") for name, text in texts.items()}
     out["utf-16 with BOM"] = VALID.encode("utf-16")
