@@ -124,8 +124,22 @@ def plain_data(value: Any, path: str) -> Any:
 
 def _wrong(value: Any, expected: str, path: str) -> ConfigError:
     return ConfigError.single(
-        path, f"expected {expected}, got {type(value).__name__} {value!r}", f"set {path} to {expected}"
+        path, f"expected {expected}, got {type(value).__name__} {shown(value)}", f"set {path} to {expected}"
     )
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` for a message, cut to ``limit`` characters (a 5,000-digit int has no repr).
+
+    Example:
+        >>> shown(10**5000)
+        '<an integer of about 5001 digits>'
+    """
+    try:
+        text = repr(value)
+    except ValueError:  # int -> str refused beyond sys.get_int_max_str_digits()
+        return f"<an integer of about {math.floor(abs(value).bit_length() * math.log10(2)) + 1} digits>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _coerce_union(value: Any, members: tuple[Any, ...], path: str) -> Any:
@@ -151,11 +165,13 @@ def _coerce_choice(value: Any, choices: tuple[Any, ...], path: str) -> Any:
             return value
         if value.lower() in choices:
             return value.lower()
-    shown = ", ".join(repr(c) for c in choices)
-    hint = suggestion(str(value), [str(c) for c in choices])
+    choices_shown = ", ".join(repr(c) for c in choices)
+    hint = suggestion(value, [str(c) for c in choices]) if isinstance(value, str) else ""
     fix = f"{hint} " if hint else ""
     raise ConfigError.single(
-        path, f"must be one of {shown}, got {value!r}", f"{fix}set {path} to one of {shown}"
+        path,
+        f"must be one of {choices_shown}, got {shown(value)}",
+        f"{fix}set {path} to one of {choices_shown}",
     )
 
 
@@ -205,7 +221,7 @@ def _coerce_float(value: Any, path: str) -> float:
         raise _wrong(value, "a number", path)
     if not math.isfinite(number):
         raise ConfigError.single(
-            path, f"must be a finite number, got {value!r}", f"set {path} to a finite number"
+            path, f"must be a finite number, got {shown(value)}", f"set {path} to a finite number"
         )
     return number
 
@@ -213,8 +229,13 @@ def _coerce_float(value: Any, path: str) -> float:
 def _parse_float(value: Any) -> float | None:
     if isinstance(value, bool):
         return None
-    if isinstance(value, (int, float)):
-        return float(value)
+    if isinstance(value, float):
+        return value
+    if isinstance(value, int):
+        try:
+            return float(value)
+        except OverflowError:  # beyond float's range (~1.8e308)
+            return math.inf if value > 0 else -math.inf
     if isinstance(value, str):
         try:
             return float(value.strip())

@@ -13,9 +13,10 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = ["ConfigError", "Problem", "did_you_mean"]
@@ -33,9 +34,12 @@ class Problem:
     path: str
     message: str
     fix: str
+    line: int | None = None  # the line in the config file, where the problem came from one
 
     def __str__(self) -> str:
         where = self.path or "<config>"
+        if self.line is not None:
+            where += f" (line {self.line})"
         return f"{where}: {self.message}. Fix: {self.fix}"
 
 
@@ -50,14 +54,38 @@ class ConfigError(ValueError):
         ['epochs']
     """
 
-    def __init__(self, problems: Sequence[Problem]) -> None:
+    def __init__(self, problems: Sequence[Problem], *, source: str | None = None) -> None:
         if not problems:
             raise ValueError("ConfigError needs at least one Problem")
         self.problems: tuple[Problem, ...] = tuple(problems)
+        self.source = source  # the file (or "<yaml text>") the config was read from, if any
+        super().__init__(self._message())
+
+    def _message(self) -> str:
         noun = "problem" if len(self.problems) == 1 else "problems"
-        lines = [f"{len(self.problems)} {noun} in the trainer config:"]
+        where = f" {self.source}" if self.source else ""
+        lines = [f"{len(self.problems)} {noun} in the trainer config{where}:"]
         lines += [f"  - {p}" for p in self.problems]
-        super().__init__("\n".join(lines))
+        return "\n".join(lines)
+
+    def in_source(self, source: str, lines: Mapping[str, int] | None = None) -> ConfigError:
+        """This error (itself, changed in place) naming the config file ``source`` and, for problems whose
+        path is in ``lines`` (field path -> line), the line.
+
+        Example:
+            >>> err = ConfigError([Problem("epochs", "must be >= 1, got 0", "set epochs=3")])
+            >>> print(err.in_source("run.yaml", {"epochs": 4}))
+            1 problem in the trainer config run.yaml:
+              - epochs (line 4): must be >= 1, got 0. Fix: set epochs=3
+        """
+        lines = lines or {}
+        self.source = source
+        self.problems = tuple(
+            p if p.line is not None else dataclasses.replace(p, line=_line_of(p.path, lines))
+            for p in self.problems
+        )
+        self.args = (self._message(),)
+        return self
 
     @classmethod
     def single(cls, path: str, message: str, fix: str) -> ConfigError:
@@ -73,6 +101,15 @@ class ConfigError(ValueError):
     def paths(self) -> list[str]:
         """The field paths of all problems, in the order they were found."""
         return [p.path for p in self.problems]
+
+
+def _line_of(path: str, lines: Mapping[str, int]) -> int | None:
+    """The line of ``path`` or of its nearest enclosing field (``optimizer.lr`` -> ``optimizer``)."""
+    while path:
+        if path in lines:
+            return lines[path]
+        path = re.sub(r"(\.[^.\[\]]*|\[\d+\])$", "", path) if re.search(r"[.\[]", path) else ""
+    return None
 
 
 def did_you_mean(name: str, candidates: Iterable[str], *, cutoff: float = 0.6) -> list[str]:

@@ -19,7 +19,16 @@ from functrain.config.coerce import describe_type
 from functrain.config.section import ConfigSection, field_docs, section_of
 from functrain.config.trainer_config import TrainerConfig
 
-__all__ = ["config_help"]
+__all__ = ["SECURITY_NOTE", "config_help"]
+
+SECURITY_NOTE = """\
+Security: a config file is code. Its import specs ('module:attr' and {target: 'module:attr', args: [...],
+kwargs: {...}}: model, the datasets, and loss.name given as a spec) import the named modules and call
+what they name ({target: 'os:system', args: [...]} runs a shell command), and validating the config
+already imports those modules. Trust a config file as you would a Python script. Set
+FUNCTRAIN_ALLOWED_MODULES=mod1,mod2 to allow only those modules (and their submodules) in specs: a
+guard against surprises, not a sandbox.
+"""
 
 _BOUNDS = (("minimum", ">="), ("greater_than", ">"), ("maximum", "<="), ("less_than", "<"))
 
@@ -37,6 +46,7 @@ def config_help(root: type[ConfigSection] = TrainerConfig) -> str:
         "",
     ]
     _describe(root, "", lines)
+    lines += SECURITY_NOTE.splitlines()
     return "\n".join(lines).rstrip() + "\n"
 
 

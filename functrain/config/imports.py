@@ -14,6 +14,17 @@ for the objects a run needs (model, datasets): the string form naming a **class 
 it with no arguments too (``model: mytask:Net``, ``train_dataset: mytask:load_train``); any other object
 (an instance, a list) is used as it is. Give arguments with the mapping form.
 
+**Import specs run code.** Naming ``os:system`` runs a shell command, and importing a module runs its
+top-level code; validating a config already imports the modules it names. A config file with import
+specs must be trusted like a Python script. ``FUNCTRAIN_ALLOWED_MODULES`` (comma-separated module names,
+e.g. ``mytask,torch.nn,torchvision``) narrows which modules a spec may name (those and their
+submodules; only public attributes, of objects defined there); it is a guard against a config naming
+something unexpected, not a sandbox: an allowed module's code runs with all of the process's rights.
+
+The object a run builds is checked: ``model`` must be an ``nn.Module``, a dataset something a
+``DataLoader`` can read (it has ``__getitem__`` or ``__iter__``). An exception raised while building
+names the user's own file and line.
+
 Where modules are found: ``sys.path``; the ``functrain`` command first adds the config file's
 directory and the current directory (:func:`add_import_dirs`), so ``mytask.py`` beside ``run.yaml``
 imports without ``PYTHONPATH``.
@@ -34,17 +45,23 @@ import inspect
 import os
 import pkgutil
 import sys
-from collections.abc import Iterator, Mapping
+import sysconfig
+import traceback
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from functrain.config.errors import ConfigError, Problem, suggestion
 
 __all__ = [
+    "ALLOWED_MODULES_ENV",
     "ImportSpec",
     "add_import_dirs",
+    "allowed_modules",
     "build_object",
     "check_import_spec",
     "deferred_imports",
+    "expect_dataset",
+    "expect_module",
     "imports_deferred",
     "normalize_import_spec",
     "resolve_object",
@@ -55,6 +72,7 @@ ImportSpec = str | dict[str, Any]
 _SPEC_KEYS = ("target", "args", "kwargs")
 _FORM = "write 'package.module:attr' or {target: 'package.module:attr', args: [...], kwargs: {...}}"
 _ADDED_DIRS: list[tuple[str, str]] = []  # (what, directory) put on sys.path by add_import_dirs
+ALLOWED_MODULES_ENV = "FUNCTRAIN_ALLOWED_MODULES"
 _DEFERRED: contextvars.ContextVar[bool] = contextvars.ContextVar("functrain_imports_deferred", default=False)
 
 
@@ -160,6 +178,9 @@ def check_import_spec(spec: ImportSpec, path: str = "spec") -> Any:
     target = spec if isinstance(spec, str) else spec["target"]
     where = path if isinstance(spec, str) else f"{path}.target"
     module_name, attr = _split_target(target, where)
+    allowed = allowed_modules()
+    if allowed is not None:
+        _check_allowed(target, module_name, attr, allowed, where)
     module = _import_module(module_name, target, where)
     obj: Any = module
     walked = module_name
@@ -170,7 +191,50 @@ def check_import_spec(spec: ImportSpec, path: str = "spec") -> Any:
             raise ConfigError.single(where, f"{target!r}: {walked} has no attribute {part!r}", hint)
         obj = getattr(obj, part)
         walked = f"{walked}.{part}"
+    defined_in = getattr(obj, "__module__", None)
+    if allowed is not None and isinstance(defined_in, str) and not _within(defined_in, allowed):
+        raise ConfigError.single(
+            where,
+            f"{target!r} is defined in {defined_in!r}, which is not in {ALLOWED_MODULES_ENV} ({', '.join(allowed)})",
+            f"name it from its own module, and add that module to {ALLOWED_MODULES_ENV} if you trust it",
+        )
     return obj
+
+
+def allowed_modules() -> list[str] | None:
+    """The modules listed in ``FUNCTRAIN_ALLOWED_MODULES`` (comma-separated), or ``None`` when it is unset
+    (every module allowed).
+
+    Example:
+        >>> os.environ[ALLOWED_MODULES_ENV] = "mytask, torch.nn"
+        >>> allowed_modules()
+        ['mytask', 'torch.nn']
+        >>> del os.environ[ALLOWED_MODULES_ENV]
+    """
+    value = os.environ.get(ALLOWED_MODULES_ENV)
+    if value is None:
+        return None
+    return [name.strip() for name in value.split(",") if name.strip()]
+
+
+def _within(module_name: str, allowed: list[str]) -> bool:
+    return any(module_name == a or module_name.startswith(a + ".") for a in allowed)
+
+
+def _check_allowed(target: str, module_name: str, attr: str, allowed: list[str], where: str) -> None:
+    if not _within(module_name, allowed):
+        raise ConfigError.single(
+            where,
+            f"{target!r}: the module {module_name!r} is not in {ALLOWED_MODULES_ENV} ({', '.join(allowed) or 'empty'})",
+            f"add {module_name} to {ALLOWED_MODULES_ENV} if you trust its code, or name an allowed module",
+        )
+    private = [part for part in attr.split(".") if part.startswith("_")]
+    if private:
+        raise ConfigError.single(
+            where,
+            f"{target!r}: the attribute {private[0]!r} is private, refused with {ALLOWED_MODULES_ENV} set",
+            "name a public attribute",
+        )
 
 
 def resolve_object(spec: ImportSpec, *, path: str = "spec") -> Any:
@@ -199,15 +263,22 @@ def resolve_object(spec: ImportSpec, *, path: str = "spec") -> Any:
     except Exception as exc:
         raise ConfigError.single(
             path,
-            f"calling {spec['target']!r} with args={args!r} kwargs={kwargs!r} raised {type(exc).__name__}: {exc}",
+            f"calling {spec['target']!r} with args={args!r} kwargs={kwargs!r} raised {type(exc).__name__}: "
+            f"{exc}{_raised_at(exc)}",
             "fix the arguments in the spec (or the code it calls); the original traceback is chained to this error",
         ) from exc
 
 
-def build_object(spec: ImportSpec, *, path: str = "spec") -> Any:
+def build_object(
+    spec: ImportSpec, *, path: str = "spec", expect: Callable[[Any], str | None] | None = None
+) -> Any:
     """The object a run needs (a model, a dataset) from its spec: a string spec naming a class or a
     function is called with no arguments, as the mapping form calls its target; any other object is used
     as it is (an ``nn.Module`` instance is not called).
+
+    The result is checked with ``expect`` (``None`` if fine, else what was expected), by default the
+    check of the `TrainerConfig` field ``path`` names: ``model`` an ``nn.Module`` (`expect_module`),
+    ``train_dataset``/``eval_dataset``/``test_dataset`` a dataset (`expect_dataset`).
 
     Example:
         >>> build_object("collections:OrderedDict")
@@ -215,21 +286,72 @@ def build_object(spec: ImportSpec, *, path: str = "spec") -> Any:
         >>> build_object("math:pi")
         3.141592653589793
     """
+    check = _EXPECTED.get(path) if expect is None else expect
     if not isinstance(spec, str):
-        return resolve_object(spec, path=path)
-    obj = check_import_spec(spec, path)
-    if not (inspect.isclass(obj) or inspect.isroutine(obj)):
-        return obj
-    try:
-        return obj()
-    except Exception as exc:
+        built = resolve_object(spec, path=path)
+        target, called = spec["target"], True
+    else:
+        obj = check_import_spec(spec, path)
+        target, called = spec, inspect.isclass(obj) or inspect.isroutine(obj)
+        if not called:
+            built = obj
+        else:
+            try:
+                built = obj()
+            except Exception as exc:
+                raise ConfigError.single(
+                    path,
+                    f"{spec!r} names a {'class' if inspect.isclass(obj) else 'function'}, called with no "
+                    f"arguments, which raised {type(exc).__name__}: {exc}{_raised_at(exc)}",
+                    f"give its arguments: {path}: {{target: {spec!r}, args: [...], kwargs: {{...}}}}; the "
+                    "original traceback is chained to this error",
+                ) from exc
+    expected = None if check is None else check(built)
+    if expected is not None:
+        what = f"built {target.replace(':', '.')}(...) returned" if called else f"{target!r} is"
         raise ConfigError.single(
             path,
-            f"{spec!r} names a {'class' if inspect.isclass(obj) else 'function'}, called with no arguments, "
-            f"which raised {type(exc).__name__}: {exc}",
-            f"give its arguments: {path}: {{target: {spec!r}, args: [...], kwargs: {{...}}}}; the original "
-            "traceback is chained to this error",
-        ) from exc
+            f"{what} {type(built).__name__}, expected {expected}",
+            f"name a class or function that gives {expected}",
+        )
+    return built
+
+
+def expect_module(obj: Any) -> str | None:
+    """``None`` if ``obj`` is an ``nn.Module``, else what was expected (for `build_object`'s ``expect``)."""
+    import torch
+
+    return None if isinstance(obj, torch.nn.Module) else "an nn.Module"
+
+
+def expect_dataset(obj: Any) -> str | None:
+    """``None`` if a ``DataLoader`` can read ``obj`` (it has ``__getitem__`` or ``__iter__``; not text or a
+    number), else what was expected."""
+    readable = hasattr(obj, "__getitem__") or hasattr(obj, "__iter__")
+    if readable and not isinstance(obj, (str, bytes, Mapping)):
+        return None
+    return "a dataset (an object with __getitem__ and __len__, or __iter__)"
+
+
+_EXPECTED: dict[str, Callable[[Any], str | None]] = {
+    "model": expect_module,
+    "train_dataset": expect_dataset,
+    "eval_dataset": expect_dataset,
+    "test_dataset": expect_dataset,
+}
+
+
+def _raised_at(exc: BaseException) -> str:
+    """`` (at FILE:LINE, in FUNC)``: the innermost frame of the traceback in the user's code (not in
+    functrain, the standard library or an installed package), or an empty string."""
+    library = {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    library |= {sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")}
+    library = {os.path.realpath(p) + os.sep for p in library}
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        filename = os.path.realpath(frame.filename)
+        if not frame.filename.startswith("<") and not any(filename.startswith(p) for p in library):
+            return f" (at {frame.filename}:{frame.lineno}, in {frame.name})"
+    return ""
 
 
 def _split_target(target: str, path: str) -> tuple[str, str]:

@@ -1,6 +1,6 @@
 """Dotted ``key=value`` overrides, as typed after ``functrain train cfg.yaml``.
 
-The value is parsed with ``yaml.safe_load``, so ``3e-4``, ``true``, ``null``, ``[accuracy, f1]`` and
+The value is parsed as YAML (safely, with the checks of :mod:`functrain.config.yaml_io`), so ``3e-4``, ``true``, ``null``, ``[accuracy, f1]`` and
 ``{momentum: 0.9}`` mean what they mean in the YAML file. Paths may reach into sections
 (``optimizer.lr``) and into mappings (``optimizer.args.momentum``); a section that is off
 (``early_stopping: null``) or given as a shorthand (``optimizer: sgd``) is expanded first, so
@@ -19,10 +19,9 @@ import copy
 from collections.abc import Iterable
 from typing import Any
 
-import yaml
-
 from functrain.config.errors import ConfigError, Problem
 from functrain.config.section import ConfigSection, section_of, type_hints
+from functrain.config.yaml_io import load_yaml
 
 __all__ = ["apply_overrides", "apply_well_formed_overrides", "parse_override"]
 
@@ -42,10 +41,12 @@ def parse_override(text: str) -> tuple[list[str], Any]:
             key or text, f"override {text!r} is not of the form key=value", "write e.g. optimizer.lr=3e-4"
         )
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError as exc:
+        value = load_yaml(raw, f"the override {key}") if raw.strip() else None
+    except ConfigError as exc:
         raise ConfigError.single(
-            key, f"the value {raw!r} is not valid YAML ({exc.__class__.__name__})", "quote it: key='value'"
+            key,
+            f"the value {raw[:80]!r} is not valid YAML ({exc.problems[0].message})",
+            "quote it: key='value'",
         ) from exc
     return parts, value
 

@@ -192,6 +192,9 @@ class ConfigSection:
         )
 
 
+_SHOWN_UNKNOWN = 20  # unknown fields reported one by one (with "did you mean") before a count
+
+
 def config_section(path: str) -> Callable[[type[S]], type[S]]:
     """Make ``cls`` a frozen, keyword-only dataclass section found at dotted ``path`` in the config.
 
@@ -218,7 +221,15 @@ def config_section(path: str) -> Callable[[type[S]], type[S]]:
             if not unknown:
                 generated_init(self, **kwargs)
                 return
-            problems = [_unknown_field(cls, k) for k in unknown]
+            problems = [_unknown_field(cls, k) for k in unknown[:_SHOWN_UNKNOWN]]
+            if len(unknown) > _SHOWN_UNKNOWN:  # a file of 100,000 keys: say so without 100,000 suggestions
+                problems.append(
+                    Problem(
+                        cls.__config_path__,
+                        f"{len(unknown) - _SHOWN_UNKNOWN:,} more unknown fields",
+                        "`functrain train --help-config` lists every field",
+                    )
+                )
             try:  # report the known fields' problems too, in the same error
                 generated_init(self, **{k: v for k, v in kwargs.items() if k in names})
             except ConfigError as err:

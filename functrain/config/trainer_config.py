@@ -42,7 +42,12 @@ from functrain.config.sections import (
     SchedulerConfig,
 )
 from functrain.config.sweep import normalize_sweep
-from functrain.config.yaml_io import dump_yaml, load_yaml_mapping, read_yaml_source, write_text_atomic
+from functrain.config.yaml_io import (
+    dump_yaml,
+    load_yaml_mapping_with_lines,
+    read_yaml_source,
+    write_text_atomic,
+)
 
 __all__ = ["TrainerConfig"]
 
@@ -326,7 +331,12 @@ class TrainerConfig(ConfigSection):
             'no'
         """
         text, where = read_yaml_source(source)
-        return cls.from_dict(load_yaml_mapping(text, where))
+        data, lines = load_yaml_mapping_with_lines(text, where)
+        try:
+            return cls.from_dict(data)
+        except ConfigError as err:
+            err.in_source(where, lines)  # the file and the line of each field in the message
+            raise
 
     def to_yaml(self) -> str:
         """The full config as YAML text, every field included, that ``from_yaml`` loads back equal."""
