@@ -66,8 +66,11 @@ def one_line(error: BaseException) -> str:
     problems = getattr(error, "problems", None)
     if problems:
         text = "; ".join(str(p) for p in problems)
+        source = getattr(error, "source", None)  # the config file, when the error was read from one
         if len(problems) > 1:
-            text = f"{len(problems)} problems in the config: {text}"
+            text = f"{len(problems)} problems in the config{f' {source}' if source else ''}: {text}"
+        elif source:
+            text = f"{source}: {text}"
     else:
         text = str(error) or type(error).__name__
     notes = [str(n) for n in getattr(error, "__notes__", ())]

@@ -167,7 +167,9 @@ def test_an_exception_in_the_users_code_names_their_file_and_line(project: Path)
 
 def test_objects_the_trainer_cannot_take_and_bad_checkpoints_are_one_line(project: Path):
     out = functrain(project, "train", "run.yaml", "model=mytask:not_a_model")
-    assert_one_line_refusal(out, "train", "model must be an nn.Module, got int")
+    assert_one_line_refusal(
+        out, "train", "model: built mytask.not_a_model(...) returned int, expected an nn.Module"
+    )
     (project / "bad.ckpt").write_bytes(b"not a checkpoint")
     out = functrain(project, "eval", "run.yaml", "--checkpoint", "bad.ckpt", "eval_dataset=mytask:train_set")
     assert_one_line_refusal(out, "eval", "bad.ckpt", "not a functrain checkpoint")

@@ -220,7 +220,7 @@ def _cli_inputs() -> dict[str, bytes]:
     chosen = dict(list(bombs().items())[:30])
     chosen.update({f"mutation {i}": m for i, m in enumerate(mutations(600, seed=22)[:400:40])})
     chosen["model os.system returns an int"] = (
-        b"epochs: 1\nmodel: {target: 'os:getpid'}\ntrain_dataset: 'os:getcwd'\n"
+        b"epochs: 1\neval_strategy: 'no'\nmodel: {target: 'os:getpid'}\ntrain_dataset: 'os:getcwd'\n"
     )
     return chosen
 
@@ -238,7 +238,7 @@ def test_cli_train_exits_2_without_a_traceback_on_every_bad_config(tmp_path: Pat
         "        super().__init__()\n        raise RuntimeError('bad init')\n"
     )
     inputs["model whose __init__ raises"] = (
-        b"epochs: 1\nmodel: fuzz_cli_task:Net\ntrain_dataset: 'os:getcwd'\n"
+        b"epochs: 1\neval_strategy: 'no'\nmodel: fuzz_cli_task:Net\ntrain_dataset: 'os:getcwd'\n"
     )
     paths = {}
     for i, (name, data) in enumerate(inputs.items()):
