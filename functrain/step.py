@@ -311,6 +311,7 @@ def make_train_step(
     metrics: Any = None,
     freeze_batchnorm: bool = False,
     gradient_reducer: Callable[..., Any] | None = None,
+    sharding: Any = None,
 ) -> Callable[[Any, Batch], tuple[Any, dict[str, torch.Tensor]]]:
     """Build a pure ``train_step(state, batch) -> (new_state, metrics)``.
 
@@ -332,6 +333,9 @@ def make_train_step(
         gradient_reducer: data parallelism (``functrain.distributed.gradient_reducer()``): called as
             ``reducer(grads, loss, metrics, buffers, old_buffers, num_examples)`` after the backward and
             returns them combined over all ranks (example-weighted), inside the same compiled graph.
+        sharding: ``functrain.distributed.fully_shard(...)`` (ZeRO-1/2/3), the same request the state
+            was created with: gradients are reduce-scattered, the optimizer updates this rank's rows,
+            all norms are global (``functrain.distributed.sharded_step``). Replaces ``gradient_reducer``.
 
     Returns:
         ``train_step``; ``metrics`` holds ``loss`` (example-weighted over micro-batches),
@@ -346,6 +350,12 @@ def make_train_step(
     cast = autocast_dtype(precision)
     expected = _expected_names(model if isinstance(model, nn.Module) else None)
     bind, set_mode = _model_call(model), _mode_setter(model)
+    plan = None
+    if sharding is not None:
+        from functrain.distributed.sharded_step import ShardedStep
+
+        module = model if isinstance(model, nn.Module) else None
+        plan = ShardedStep(sharding, model=module, gradient_reducer=gradient_reducer, precision_dtype=cast)
 
     def loss_of(params: dict, buffers: dict, batch: Batch, scale: torch.Tensor | None) -> Any:
         # Buffers are inputs of the differentiated function and cloned, so modules that update them in
@@ -371,6 +381,7 @@ def make_train_step(
         micro = split_batch(batch, accumulate) if accumulate > 1 else [batch]
         total = sum(num_examples(b) for b in micro) if accumulate > 1 else 1
         buffers = state.buffers
+        params_in = state.params if plan is None else plan.params_for_grad(state)
         grads: Any = None
         loss = torch.zeros((), device=_device_of(state.params))
         extra: dict[str, torch.Tensor] = {}
@@ -378,9 +389,11 @@ def make_train_step(
         with _checkpoint_routing(model):
             for mb in micro:
                 weight = num_examples(mb) / total if accumulate > 1 else 1.0
-                g, (_, (mb_loss, aux, buffers)) = grad_fn(state.params, buffers, mb, scale)
+                g, (_, (mb_loss, aux, buffers)) = grad_fn(params_in, buffers, mb, scale)
                 if accumulate > 1:
                     g = tree.map(lambda x, w=weight: x * w, g)
+                if plan is not None:
+                    g = plan.micro_grads(state, g, num_examples(batch))
                 grads = g if grads is None else tree.map(torch.add, grads, g)
                 loss = loss + mb_loss * weight
                 for name, value in dict(aux.get("metrics", {})).items():
@@ -390,7 +403,9 @@ def make_train_step(
                 if "target" in aux:
                     targets.append(aux["target"])
 
-        if gradient_reducer is not None:
+        if plan is not None:
+            grads, loss, extra, buffers = plan.reduce(state, grads, loss, extra, buffers, num_examples(batch))
+        elif gradient_reducer is not None:
             grads, loss, extra, buffers = gradient_reducer(
                 grads, loss, extra, buffers, state.buffers, num_examples(batch)
             )
@@ -402,8 +417,13 @@ def make_train_step(
             loss_scale = loss_scale.adjust(finite)
         # A donated state is overwritten anyway: unless an overflow may need the old values below, the
         # optimizer can write into its tensors (Adam's fused kernel does; others return new tensors).
-        with foreach.flag("in_place", foreach.FLAGS.donated and finite is None):
-            params, opt_state = apply_gradients(state.tx, grads, state.opt_state, state.params)
+        norms = contextlib.nullcontext() if plan is None else plan.global_norms()
+        with foreach.flag("in_place", foreach.FLAGS.donated and finite is None), norms:
+            opt_params = state.params if plan is None else plan.local_params(state)
+            params, opt_state = apply_gradients(state.tx, grads, state.opt_state, opt_params)
+            grad_norm = tree.global_norm(grads)
+        if plan is not None:
+            params = plan.params_at_rest(state, params)
         if finite is not None:
             # An overflow skips the whole update: params and optimizer state stay as they were.
             params = tree.map(lambda new, old: torch.where(finite, new, old), params, state.params)
@@ -413,7 +433,7 @@ def make_train_step(
         if metrics is not None and metric_state is not None:
             metric_state = metrics.update(metric_state, **_metric_inputs(preds, targets, loss, batch))
 
-        out = {"loss": loss, "grad_norm": tree.global_norm(grads), **extra}
+        out = {"loss": loss, "grad_norm": grad_norm, **extra}
         if loss_scale is not None:
             out["loss_scale"] = loss_scale.scale
         new_state = state.replace(
@@ -430,6 +450,7 @@ def make_train_step(
     train_step.metrics = metrics  # type: ignore[attr-defined]
     train_step.model = model  # type: ignore[attr-defined]
     train_step.gradient_reducer = gradient_reducer  # type: ignore[attr-defined]
+    train_step.sharding = sharding  # type: ignore[attr-defined]
     return train_step
 
 
