@@ -90,7 +90,9 @@ def build(cls: type[nn.Module], on_meta: bool) -> nn.Module:
     return cls().double()
 
 
-def reference(cls: type[nn.Module], tx: Callable[[], Any], data: list, accumulate: int = 1) -> tuple[Any, list]:
+def reference(
+    cls: type[nn.Module], tx: Callable[[], Any], data: list, accumulate: int = 1
+) -> tuple[Any, list]:
     model = build(cls, on_meta=False)
     state = ft.TrainState.create(model, tx(), seed=0)
     step = ft.make_train_step(model, LOSS)
@@ -110,7 +112,7 @@ def sharded_run(
     accumulate: int = 1,
     compile: bool = False,
     break_with: Callable[[Any], None] | None = None,
-) -> tuple[Any, list, Any, Any]:
+) -> tuple[Any, list, Any]:
     rank, world = distributed.rank(), distributed.world_size()
     model = build(cls, on_meta=rank != 0)
     sharding = distributed.fully_shard(level=level)
@@ -120,11 +122,10 @@ def sharded_run(
     if break_with is not None:
         break_with(raw)
     metrics = []
-    initial = state
     for batch in data:
         state, m = step(state, my_part(batch, rank, world))
         metrics.append(m)
-    return state, metrics, step, initial
+    return state, metrics, step
 
 
 def diff(a: Any, b: Any) -> float:
@@ -173,7 +174,7 @@ def parity(out: dict) -> None:
     data = batches("transformer")
     ref, ref_m = reference(Transformer, adamw, data)
     for level in ("optimizer", "grads", "params"):
-        state, m, _, initial = sharded_run(Transformer, adamw, data, level)
+        state, m, _ = sharded_run(Transformer, adamw, data, level)
         out[f"transformer/{level}"] = compare(state, m, ref, ref_m)
         out[f"sizes/{level}"] = shard_sizes(state)
         out[f"state_bytes/{level}"] = ft.tree.num_bytes((state.params, state.opt_state))
@@ -181,10 +182,10 @@ def parity(out: dict) -> None:
     # accumulation: the 3-example step cannot be split in 2 on 4 ranks
     acc_data = batches("transformer", (8, 7, 8, 6) if world == 2 else (8, 16, 12))
     ref_a, ref_am = reference(Transformer, adamw, acc_data)
-    state, m, _, _ = sharded_run(Transformer, adamw, acc_data, "params", accumulate=2)
+    state, m, _ = sharded_run(Transformer, adamw, acc_data, "params", accumulate=2)
     out["transformer/params/accumulate2"] = compare(state, m, ref_a, ref_am)
     ref_l, ref_lm = reference(Transformer, lamb, data)
-    state, m, _, _ = sharded_run(Transformer, lamb, data, "params")
+    state, m, _ = sharded_run(Transformer, lamb, data, "params")
     out["lamb/params"] = compare(state, m, ref_l, ref_lm)
     if world == 2:
         guards(out, data, ref, ref_m)
@@ -212,7 +213,7 @@ def guards(out: dict, data: list, ref: Any, ref_m: list) -> None:
     )
     for name, patch in cases.items():
         with patch():
-            state, m, _, _ = sharded_run(Transformer, adamw, data, "params")
+            state, m, _ = sharded_run(Transformer, adamw, data, "params")
         out[f"guard/{name}"] = compare(state, m, ref, ref_m)
 
 
@@ -240,14 +241,14 @@ def cnn(out: dict) -> None:
     for batch in data:
         state, m = step(state, my_part(batch, rank, world))
         ref_m.append(m)
-    sharded, m, _, _ = sharded_run(CNN, adamw, data, "params")
+    sharded, m, _ = sharded_run(CNN, adamw, data, "params")
     out["cnn/params_vs_ddp"] = compare(sharded, m, state, ref_m)
 
 
 def compiled(out: dict) -> None:
     data = batches("transformer", (7, 7, 7, 7))
     ref, ref_m = reference(Transformer, adamw, data)
-    state, m, step, _ = sharded_run(Transformer, adamw, data, "params", compile=True)
+    state, m, step = sharded_run(Transformer, adamw, data, "params", compile=True)
     out["compiled/params"] = compare(state, m, ref, ref_m)
     out["num_compiles"] = step.num_compiles
 
@@ -256,14 +257,21 @@ def save(out: dict, directory: str) -> None:
     """3 steps, a sharded checkpoint, the gathered state as reference, then 2 more steps."""
     data = batches("transformer")
     rank, world = distributed.rank(), distributed.world_size()
-    state, _, step, _ = sharded_run(Transformer, adamw, data[:3], "params")
+    state, _, step = sharded_run(Transformer, adamw, data[:3], "params")
     ckpt.save_sharded(directory, 3, state)
     full = state.sharding.full_state(state)
     if rank == 0:
         ft.checkpoint.save(os.path.join(directory, "reference.ckpt"), full, step=3)
     for batch in data[3:]:
         state, _ = step(state, my_part(batch, rank, world))
-    out["continued"] = state.sharding.full_state(state)
+    _dump(out, "uninterrupted", state.sharding.full_state(state), directory)
+
+
+def _dump(out: dict, key: str, full: Any, directory: str) -> None:
+    """A gathered state, as a functrain checkpoint file (states hold the optimizer: not for torch.save)."""
+    path = os.path.join(directory, f"{key}_w{distributed.world_size()}_rank{distributed.rank()}.ckpt")
+    ft.checkpoint.save(path, full)
+    out[key] = path
 
 
 def resume(out: dict, directory: str) -> None:
@@ -273,19 +281,19 @@ def resume(out: dict, directory: str) -> None:
     sharding = distributed.fully_shard(level="params")
     template = ft.TrainState.create(model, adamw(), seed=1, sharding=sharding)
     state = ckpt.restore_sharded(directory, target=template)
-    out["restored"] = state.sharding.full_state(state)
+    _dump(out, "restored", state.sharding.full_state(state), directory)
     out["sizes"] = shard_sizes(state)
     step = ft.jit(ft.make_train_step(model, LOSS, sharding=sharding), compile=False)
     for batch in data[3:]:
         state, _ = step(state, my_part(batch, rank, world))
-    out["continued"] = state.sharding.full_state(state)
+    _dump(out, "continued", state.sharding.full_state(state), directory)
 
 
 def kill(out: dict, directory: str) -> None:
     """Step 1 saved and committed; during step 2's save rank 1 is SIGKILLed with its file half written."""
     data = batches("transformer")
     rank, world = distributed.rank(), distributed.world_size()
-    state, _, step, _ = sharded_run(Transformer, adamw, data[:1], "params")
+    state, _, step = sharded_run(Transformer, adamw, data[:1], "params")
     ckpt.save_sharded(directory, 1, state)
     full = state.sharding.full_state(state)
     if rank == 0:

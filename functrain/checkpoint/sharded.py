@@ -129,7 +129,12 @@ def save_sharded(
             "user": dict(metadata or {}),
         }
         checkpoint_file.save(
-            os.path.join(folder, MANIFEST), {}, step=step, metrics=metrics, metadata={_KEY: manifest}, fsync=fsync
+            os.path.join(folder, MANIFEST),
+            {},
+            step=step,
+            metrics=metrics,
+            metadata={_KEY: manifest},
+            fsync=fsync,
         )
     if world > 1:
         dist.barrier(group=group)
@@ -234,7 +239,9 @@ class _Source:
                 continue
             with checkpoint_file.open_for_reading(path) as file:
                 fmt.read_header(file, name=path)
-                for i, tensor in fmt.read_tensors(file, header, name=path, select=lambda i, _: i in picks):
+                for i, tensor in fmt.read_tensors(
+                    file, header, name=path, select=lambda i, _, picks=picks: i in picks
+                ):
                     if tensor is None:
                         continue
                     where = picks[i]
@@ -251,9 +258,7 @@ class _Source:
         return out
 
 
-def restore_sharded(
-    directory: str | os.PathLike[str], target: Any = None, *, step: int | None = None
-) -> Any:
+def restore_sharded(directory: str | os.PathLike[str], target: Any = None, *, step: int | None = None) -> Any:
     """Load the sharded checkpoint of ``step`` (default: the latest committed one).
 
     With a ``target`` state, each leaf gets the rows that target holds on this rank: a sharded target
@@ -304,7 +309,8 @@ def restore_sharded(
         targets[where] = (path, leaf)
     if problems:
         raise CheckpointError(
-            f"{source.folder} does not match the target ({len(problems)} problem(s)):\n  " + "\n  ".join(problems)
+            f"{source.folder} does not match the target ({len(problems)} problem(s)):\n  "
+            + "\n  ".join(problems)
         )
     tensors = source.read(wanted)
 

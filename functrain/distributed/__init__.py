@@ -60,7 +60,7 @@ from functrain.distributed.gradients import GradientReducer, gradient_reducer
 from functrain.distributed.layout import LayoutMismatchError, check_resume, layout, loader_layout
 from functrain.distributed.reduce import all_reduce_metric_state, all_reduce_tree
 from functrain.distributed.replicate import NotReplicatedError, assert_replicated, replicate
-from functrain.distributed.sharding import ShardLayout, Sharding, fully_shard
+from functrain.distributed.sharding import Sharding, ShardLayout, fully_shard
 
 __all__ = [
     "DistributedEnv",

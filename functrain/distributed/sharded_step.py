@@ -27,7 +27,7 @@ from torch import nn
 
 from functrain import _foreach as foreach
 from functrain.distributed.gradients import GradientReducer
-from functrain.distributed.sharding import ShardLayout, Sharding, local_rows
+from functrain.distributed.sharding import Sharding, ShardLayout, local_rows
 
 __all__ = ["ShardedStep", "apply_full_gradients"]
 
@@ -107,7 +107,10 @@ class ShardedStep:
 
     def _scatter(self, state: Any, grads: Mapping[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
         master = {k: v.dtype for k, v in state.params.items()}
-        weighted = {k: g.to(master[k]) * n if n > 0 else torch.zeros_like(g, dtype=master[k]) for k, g in grads.items()}
+        weighted = {
+            k: g.to(master[k]) * n if n > 0 else torch.zeros_like(g, dtype=master[k])
+            for k, g in grads.items()
+        }
         return self.layout(state).reduce_scatter(weighted, master)
 
     def micro_grads(self, state: Any, grads: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:

@@ -39,6 +39,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+
 from functrain.distributed.env import is_distributed
 
 __all__ = ["LEVELS", "Level", "ShardLayout", "Sharding", "fully_shard"]
@@ -154,7 +155,9 @@ def _waited(t: torch.Tensor) -> torch.Tensor:
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
-def _by_dtype(names: list[str], dtype_of: Callable[[str], torch.dtype]) -> Iterator[tuple[torch.dtype, list[str]]]:
+def _by_dtype(
+    names: list[str], dtype_of: Callable[[str], torch.dtype]
+) -> Iterator[tuple[torch.dtype, list[str]]]:
     """Names grouped by dtype (first-seen order): one collective per dtype, not one per leaf."""
     groups: dict[torch.dtype, list[str]] = {}
     for name in names:
@@ -289,9 +292,13 @@ class ShardLayout:
             if path[0] == "params":
                 if self.sharding.shards_params:
                     out[path] = shapes[name]
-            elif path[0] == "opt_state" and isinstance(name, str) and name in shapes:
-                if tuple(leaf.shape) == self.sharding.local_shape(shapes[name]):
-                    out[path] = shapes[name]
+            elif (
+                path[0] == "opt_state"
+                and isinstance(name, str)
+                and name in shapes
+                and tuple(leaf.shape) == self.sharding.local_shape(shapes[name])
+            ):
+                out[path] = shapes[name]
         return out
 
     def full_state(self, state: Any) -> Any:
@@ -316,7 +323,9 @@ def _source(sharding: Sharding) -> int:
     return dist.get_global_rank(sharding.group, 0) if sharding.world_size > 1 else 0
 
 
-def _synced(x: torch.Tensor, sharding: Sharding, device: torch.device | None, dtype: torch.dtype | None) -> torch.Tensor:
+def _synced(
+    x: torch.Tensor, sharding: Sharding, device: torch.device | None, dtype: torch.dtype | None
+) -> torch.Tensor:
     """Rank 0's value of a leaf on every rank (eager broadcast); other ranks may hold it on ``meta``."""
     cast = dtype if dtype is not None and x.is_floating_point() else x.dtype
     if sharding.world_size == 1:
@@ -364,4 +373,3 @@ def shard_variables(
     out_buffers = {name: _synced(b, sharding, dev, dtype) for name, b in buffers.items()}
     layout = ShardLayout(sharding, tuple((n, tuple(p.shape)) for n, p in params.items()))
     return out_params, out_buffers, layout
-
