@@ -449,7 +449,8 @@ def make_train_step(
     train_step.kind = "train"  # type: ignore[attr-defined]
     train_step.metrics = metrics  # type: ignore[attr-defined]
     train_step.model = model  # type: ignore[attr-defined]
-    train_step.gradient_reducer = gradient_reducer  # type: ignore[attr-defined]
+    # a sharded step reduces over its ranks too (what fit checks before it trains on several processes)
+    train_step.gradient_reducer = gradient_reducer if plan is None else plan.reducer  # type: ignore[attr-defined]
     train_step.sharding = sharding  # type: ignore[attr-defined]
     return train_step
 

@@ -187,8 +187,7 @@ def parity(out: dict) -> None:
     ref_l, ref_lm = reference(Transformer, lamb, data)
     state, m, _ = sharded_run(Transformer, lamb, data, "params")
     out["lamb/params"] = compare(state, m, ref_l, ref_lm)
-    if world == 2:
-        guards(out, data, ref, ref_m)
+    guards(out, data, ref, ref_m)
     cnn(out)
 
 
@@ -265,6 +264,36 @@ def save(out: dict, directory: str) -> None:
     for batch in data[3:]:
         state, _ = step(state, my_part(batch, rank, world))
     _dump(out, "uninterrupted", state.sharding.full_state(state), directory)
+    fit_resume(out, directory)
+
+
+def fit_resume(out: dict, directory: str) -> None:
+    """fit with a ShardedCheckpointManager: 6 steps straight, and 4 steps (saved every 2) + a resumed run
+    to 6; the old CheckpointManager refuses the sharded state instead of keeping rank 0's shards."""
+    rank = distributed.rank()
+    examples = [(x[i], y[i]) for x, y in batches("transformer", (29,)) for i in range(29)]
+
+    def run(max_steps: int, folder: str | None, resume: bool) -> Any:
+        model = build(Transformer, on_meta=rank != 0)
+        sharding = distributed.fully_shard(level="params")
+        state = ft.TrainState.create(model, adamw(), seed=0, sharding=sharding)
+        step = ft.jit(ft.make_train_step(model, LOSS, sharding=sharding), compile=False)
+        manager = None if folder is None else ckpt.ShardedCheckpointManager(folder, sharding)
+        return ft.fit(
+            state, step, examples, batch_size=4, max_steps=max_steps, progress=False, log_every=2,
+            checkpoints=manager, save_every=2 if manager else None, resume=resume,
+        ).state  # fmt: skip
+
+    straight = run(6, None, False)
+    folder = os.path.join(directory, "fit")
+    run(4, folder, False)
+    resumed = run(6, folder, True)
+    _dump(out, "fit_straight", straight.sharding.full_state(straight), directory)
+    _dump(out, "fit_resumed", resumed.sharding.full_state(resumed), directory)
+    try:
+        ft.checkpoint.CheckpointManager(os.path.join(directory, "plain")).save(1, {"state": resumed})
+    except ft.checkpoint.CheckpointError as error:
+        out["plain_manager_refused"] = str(error)
 
 
 def _dump(out: dict, key: str, full: Any, directory: str) -> None:

@@ -102,8 +102,6 @@ def test_each_rank_holds_one_world_th_of_every_param_and_moment(parity: list[dic
 
 def test_guards_catch_each_silent_failure(parity: list[dict]) -> None:
     # The failures of SHARDING_FACTS.md, put back on purpose: the parity check used above must see each.
-    if parity[0]["world_size"] != 2:
-        pytest.skip("the guards run on the 2-rank launch")
     for out in parity:
         for name in ("zero_gradients", "unreduced_gradients", "local_norms"):
             assert out[f"guard/{name}"]["params"] > 1e-4, name
@@ -144,6 +142,16 @@ def test_checkpoint_of_2_ranks_resumes_on_2_and_4_bitwise(saved: tuple[str, str]
     if world == 2:  # same world size: the resumed run continues bitwise as the uninterrupted one
         uninterrupted = ft.checkpoint.restore(os.path.join(directory, "uninterrupted_w2_rank0.ckpt"))
         assert _leaves_equal(ft.checkpoint.restore(results[0]["continued"]), uninterrupted)
+
+
+def test_fit_resumes_a_sharded_run_bitwise_and_the_plain_manager_refuses_it(saved: tuple[str, str]) -> None:
+    out_dir, directory = saved
+    for r in range(2):
+        out = torch.load(os.path.join(out_dir, f"save_rank{r}.pt"), weights_only=False)
+        straight = ft.checkpoint.restore(out["fit_straight"])
+        assert int(straight["step"]) == 6
+        assert _leaves_equal(ft.checkpoint.restore(out["fit_resumed"]), straight)
+        assert "ShardedCheckpointManager" in out["plain_manager_refused"]
 
 
 def test_checkpoint_of_2_ranks_resumes_in_one_process(saved: tuple[str, str]) -> None:

@@ -43,11 +43,20 @@ from functrain.checkpoint import structure
 from functrain.checkpoint.errors import CheckpointError
 from functrain.distributed.sharding import local_rows
 
-__all__ = ["latest_sharded", "restore_sharded", "save_sharded", "sharded_steps"]
+__all__ = [
+    "ShardedCheckpointManager",
+    "latest_sharded",
+    "remove_uncommitted",
+    "restore_sharded",
+    "save_sharded",
+    "sharded_steps",
+]
 
 MANIFEST = "manifest.ckpt"
 _DIR = re.compile(r"^step_(\d+)\.shards$")
 _KEY = "functrain_sharded"
+# a param leaf's path as tree.path_str writes it: "params.w", "state.params['fc.weight']"
+_PARAM = re.compile(r"(^|\.)params(\[[^\]]*\]|\.[A-Za-z_]\w*)$")
 
 
 def _step_dir(directory: str | os.PathLike[str], step: int) -> str:
@@ -58,8 +67,31 @@ def _rank_file(rank: int, world_size: int) -> str:
     return f"rank_{rank:05d}_of_{world_size:05d}.ckpt"
 
 
-def _group_of(state: Any) -> tuple[Any, int, int]:
-    layout = getattr(state, "sharding", None)
+def _layouts(obj: Any, prefix: structure.Path = ()) -> list[tuple[structure.Path, Any]]:
+    """``(path, state)`` of every sharded state in ``obj`` (the object itself, or inside dicts/lists:
+    ``fit`` saves ``{"state": state, "loop": ...}``)."""
+    from functrain.distributed.sharding import ShardLayout
+
+    if isinstance(getattr(obj, "sharding", None), ShardLayout):
+        return [(prefix, obj)]
+    if isinstance(obj, dict):
+        return [found for k, v in obj.items() for found in _layouts(v, (*prefix, k))]
+    if isinstance(obj, list | tuple) and not tree.is_struct(obj):
+        return [found for i, v in enumerate(obj) for found in _layouts(v, (*prefix, i))]
+    return []
+
+
+def _sharded_paths(obj: Any) -> dict[structure.Path, tuple[int, ...]]:
+    return {
+        (*prefix, *path): shape
+        for prefix, state in _layouts(obj)
+        for path, shape in state.sharding.sharded_leaves(state).items()
+    }
+
+
+def _group_of(obj: Any) -> tuple[Any, int, int]:
+    found = _layouts(obj)
+    layout = found[0][1].sharding if found else None
     if layout is not None:
         s = layout.sharding
         return s.group, s.rank, s.world_size
@@ -119,21 +151,18 @@ def save_sharded(
             raise error
         raise CheckpointError(f"{folder}: another rank failed to write its shard; step {step} not committed")
     if rank == 0:
-        layout = getattr(state, "sharding", None)
-        sharded = {} if layout is None else layout.sharded_leaves(state)
+        sharded = _sharded_paths(state)
         manifest = {
             "world_size": world,
-            "level": None if layout is None else layout.sharding.level,
             "files": [_rank_file(r, world) for r in range(world)],
             "sharded": {tree.path_str(p): list(shape) for p, shape in sharded.items()},
-            "user": dict(metadata or {}),
         }
         checkpoint_file.save(
             os.path.join(folder, MANIFEST),
             {},
             step=step,
             metrics=metrics,
-            metadata={_KEY: manifest},
+            metadata={**dict(metadata or {}), _KEY: manifest},
             fsync=fsync,
         )
     if world > 1:
@@ -258,13 +287,21 @@ class _Source:
         return out
 
 
-def restore_sharded(directory: str | os.PathLike[str], target: Any = None, *, step: int | None = None) -> Any:
+def restore_sharded(
+    directory: str | os.PathLike[str],
+    target: Any = None,
+    *,
+    step: int | None = None,
+    sharding: Any = None,
+) -> Any:
     """Load the sharded checkpoint of ``step`` (default: the latest committed one).
 
     With a ``target`` state, each leaf gets the rows that target holds on this rank: a sharded target
     (any world size, any level) gets its shards, an unsharded one the whole leaves; shapes and dtypes
     are checked against the checkpoint's global ones. Without ``target``, the whole state comes back as
-    plain containers (structs as dicts), and no process group is needed. Bit-exact either way.
+    plain containers (structs as dicts), and no process group is needed; with ``sharding`` (a
+    ``fully_shard(...)``) too, the sharded leaves come back as this rank's rows for that request (params
+    whole unless it shards them): what ``fit`` puts onto its state. Bit-exact either way.
 
     Example:
         >>> state = restore_sharded("run", target=state)  # doctest: +SKIP
@@ -276,14 +313,20 @@ def restore_sharded(directory: str | os.PathLike[str], target: Any = None, *, st
     source = _Source(directory, step)
     header0 = source.headers[0]
     if target is None:
-        wanted = {info.path: _whole(source, info.path) for info in header0.tensors}
+        local = {}
+        if sharding is not None:
+            for where, shape in source.sharded.items():
+                if sharding.shards_params or not _PARAM.search(where):
+                    k = sharding.rows(shape)
+                    local[where] = (sharding.rank * k, (sharding.rank + 1) * k)
+        wanted = {info.path: local.get(info.path, _whole(source, info.path)) for info in header0.tensors}
         tensors = source.read(wanted)
-        loaded = [_trim(source, info.path, tensors[info.path]) for info in header0.tensors]
+        loaded = [_local_or_trimmed(source, info.path, tensors, local, info) for info in header0.tensors]
         return structure.decode(header0.tree, loaded, name=source.files[0])
 
-    layout = getattr(target, "sharding", None)
-    mine = {} if layout is None else layout.sharded_leaves(target)
-    s = None if layout is None else layout.sharding
+    found = _layouts(target)
+    mine = _sharded_paths(target)
+    s = found[0][1].sharding.sharding if found else None
     wanted, targets = {}, {}
     problems = []
     for path, leaf in structure.leaves_with_paths(target):
@@ -330,6 +373,17 @@ def restore_sharded(directory: str | os.PathLike[str], target: Any = None, *, st
     return structure.rebuild(target, leaf_fn)
 
 
+def _local_or_trimmed(
+    source: _Source, where: str, tensors: Mapping[str, torch.Tensor], local: Mapping[str, Any], info: Any
+) -> torch.Tensor:
+    if where not in local:
+        return _trim(source, where, tensors[where])
+    start, stop = local[where]
+    if where in tensors:
+        return tensors[where]
+    return torch.zeros((stop - start, *source.sharded[where][1:]), dtype=info.dtype)  # padding rows only
+
+
 def _whole(source: _Source, where: str) -> tuple[int, int]:
     if where not in source.sharded:
         return (0, -1)
@@ -342,3 +396,122 @@ def _trim(source: _Source, where: str, value: torch.Tensor) -> torch.Tensor:
         return value
     shape = source.sharded[where]
     return value[: (shape[0] if shape else 1)].reshape(shape).clone()
+
+
+class ShardedCheckpointManager:
+    """A folder of sharded checkpoints with :class:`~functrain.checkpoint.CheckpointManager`'s interface,
+    so ``fit(..., checkpoints=ShardedCheckpointManager(dir, sharding))`` saves and resumes a sharded run.
+
+    Every rank saves (its own file); rank 0 commits the manifest and applies retention (the last
+    ``max_to_keep`` steps, and the ``keep_best`` best by ``best_metric``). ``restore(which)`` without a
+    target returns plain containers holding this rank's rows for ``sharding`` (any saved world size).
+
+    Example:
+        >>> manager = ShardedCheckpointManager("runs/a", distributed.fully_shard())  # doctest: +SKIP
+        >>> result = ft.fit(state, step, data, checkpoints=manager, resume=True)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        sharding: Any,
+        *,
+        max_to_keep: int | None = 5,
+        best_metric: str | None = None,
+        best_mode: str = "min",
+        keep_best: int = 1,
+        fsync: bool = True,
+    ) -> None:
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(
+                f"max_to_keep={max_to_keep} must be at least 1, or None to keep every checkpoint"
+            )
+        if best_mode not in ("min", "max"):
+            raise ValueError(f"best_mode={best_mode!r} must be 'min' or 'max'")
+        self.directory = os.fspath(directory)
+        self.sharding = sharding
+        self.max_to_keep, self.fsync = max_to_keep, fsync
+        self.best_metric, self.best_mode, self.keep_best = best_metric, best_mode, keep_best
+
+    @property
+    def is_writer(self) -> bool:
+        """Every rank writes its own file."""
+        return True
+
+    def path(self, step: int) -> str:
+        """The manifest of the checkpoint at ``step`` (its header holds the metrics and metadata)."""
+        return os.path.join(_step_dir(self.directory, step), MANIFEST)
+
+    def all_steps(self) -> list[int]:
+        """Committed steps, ascending."""
+        return sharded_steps(self.directory)
+
+    def latest(self) -> int | None:
+        """The newest committed step, or ``None``."""
+        return latest_sharded(self.directory)
+
+    def metrics(self, step: int) -> dict[str, Any]:
+        """The metrics saved with ``step``."""
+        return checkpoint_file.read_header(self.path(step)).metrics
+
+    def _ranked(self) -> list[int]:
+        scored = [(s, self.metrics(s).get(self.best_metric)) for s in self.all_steps()]
+        scored = [(s, v) for s, v in scored if isinstance(v, int | float)]
+        return [s for s, _ in sorted(scored, key=lambda sv: sv[1], reverse=self.best_mode == "max")]
+
+    def best(self, metric: str | None = None, mode: str | None = None) -> int | None:
+        """The best committed step by ``best_metric``, or ``None``."""
+        if metric is not None or mode is not None:
+            self.best_metric, self.best_mode = metric or self.best_metric, mode or self.best_mode
+        if self.best_metric is None:
+            return None
+        ranked = self._ranked()
+        return ranked[0] if ranked else None
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        metrics: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Save on every rank (collective), then rank 0 applies retention."""
+        if isinstance(step, torch.Tensor):
+            step = int(step.item())
+        plain = {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in dict(metrics or {}).items()}
+        save_sharded(self.directory, step, state, metrics=plain, metadata=metadata, fsync=self.fsync)
+        if self.sharding.rank == 0:
+            steps = self.all_steps()
+            keep = {steps[-1]}
+            keep.update(steps if self.max_to_keep is None else steps[-self.max_to_keep :])
+            if self.best_metric is not None and self.keep_best:
+                keep.update(self._ranked()[: self.keep_best])
+            for old in steps:
+                if old not in keep:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(self.path(old))  # uncommit first
+                    shutil.rmtree(_step_dir(self.directory, old), ignore_errors=True)
+
+    def restore(self, which: int | str = "latest", target: Any = None) -> Any:
+        """``"latest"``, ``"best"`` or a step; onto ``target``, or as plain containers of this rank's rows."""
+        step = self.latest() if which == "latest" else self.best() if which == "best" else which
+        if not isinstance(step, int) or step not in self.all_steps():
+            raise CheckpointError(
+                f"no sharded checkpoint {which!r} in {self.directory}; have {self.all_steps()}"
+            )
+        if target is not None:
+            return restore_sharded(self.directory, target, step=step)
+        return restore_sharded(self.directory, step=step, sharding=self.sharding)
+
+    def wait_until_finished(self) -> None:
+        """Saves are synchronous: nothing to wait for."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def __enter__(self) -> ShardedCheckpointManager:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
