@@ -71,7 +71,7 @@ def ft_variants(batches: list, steps: int) -> dict[str, Callable[[], None]]:
                 float(metrics["loss"])
 
     def fit() -> None:
-        ft.fit(state0, step, loader, max_steps=steps, log_every=LOG_EVERY, progress=True)
+        ft.fit(state0, step, loader, max_steps=steps, log_every=LOG_EVERY, progress_bar=True)
 
     for _ in range(2):
         step(state0, batches[0])  # compile before timing

@@ -49,7 +49,7 @@ result = ft.fit(
     ],
     loggers=[ft.logging.JSONLWriter(f"{run_dir}/logs"), ft.logging.TensorBoardWriter(f"{run_dir}/logs/tb")],
     resume=True,
-    progress=not SMALL,
+    progress_bar=not SMALL,
 )
 print("stopped:", result.stop_reason or "finished", "| last evaluation:", result.eval_metrics)
 print(

@@ -30,8 +30,8 @@ import torch
 import torch._dynamo
 import torch.utils._pytree as torch_pytree
 
+from functrain import _compile_times, random, tree
 from functrain import _foreach as foreach
-from functrain import random, tree
 from functrain._isa_probe import vec_isa_verified
 from functrain.cache_hits import MISS, CacheHits, with_code
 from functrain.distributed.env import rank as distributed_rank
@@ -253,36 +253,70 @@ def _cpu_dropout_decompositions() -> dict[Any, Callable[..., Any]]:
 
 # ------------------------------------------------------------------------------------------ guards
 # Dynamo guards every global the trace read. Those that stay inside the code a functrain step runs
-# through (functrain's own modules, torch's functional_call/functorch/pytree internals, dataclasses,
-# builtins: ~150 of the ~1300 guards of a 100-leaf step) fail only if that library code itself is
+# through (functrain's own modules, torch's functional_call/functorch/pytree internals, optree, dataclasses,
+# builtins: ~700 of the ~1300 guards of a 100-leaf step) fail only if that library code itself is
 # monkeypatched during a run; evaluating them cost ~60 us per call here (benchmarks/README.md,
 # "Per-call overhead"). They are skipped. A guard whose path leaves the library through a module
 # attribute (``functrain.step``'s ``nn.functional.gelu`` is ``torch.nn.functional.gelu``, which a user
 # may patch), and every guard on the globals of the user's modules or of ``torch.nn``'s, is kept:
 # changing one still recompiles the step.
+#
+# The pytree registries (torch's ``SUPPORTED_NODES``, optree's ``_NODETYPE_REGISTRY``) are library data
+# too: dynamo guards their keys (``len(__import__('torch').utils._pytree.SUPPORTED_NODES) != 115``),
+# so any node type registered after the first call (a lazily imported module defining a
+# ``functrain.tree.struct``: ``ft.evaluate`` imports ``functrain.loop``; a Hugging Face model module
+# registering its ``ModelOutput`` classes) recompiled every step. The types a step flattens are
+# registered before the state that holds them exists, and each input's type is still guarded; a node
+# type registered later is one the step never saw.
 _LIBRARY_MODULES = re.compile(
-    r"(functrain|dataclasses|contextlib|functools|math|torch\._functorch|torch\._dynamo|torch\.utils\._pytree"
-    r"|torch\.nn\.utils\.(stateless|_named_member_accessor))(\..+)?"
+    r"(functrain|dataclasses|contextlib|functools|math|optree|torch\._functorch|torch\._dynamo"
+    r"|torch\.utils\._pytree|torch\.nn\.utils\.(stateless|_named_member_accessor))(\..+)?"
 )
-_GLOBAL_PATH = re.compile(r"G\['([^']+)'\]((?:\.\w+)*)")
+# A guard's roots: a global of the traced function's module (``G['__import_functrain_dot_tree']``,
+# ``G['torch_pytree']``) or a module dynamo imports by name (``__import__('torch')``), each with the
+# attributes that follow; wrappers around them (``list(dict.keys(...))[3]``, ``type(...)``) read the same
+# objects.
+_ROOT_PATH = re.compile(r"G\['([^']+)'\]((?:\.\w+)*)|__import__\('([\w.]+)'\)((?:\.\w+)*)")
 _MISSING = object()
 
 
 def _is_library_path(name: str) -> bool:
-    """Whether a global guard's source (``G['__import_functrain_dot_tree'].leaves.__code__``) starts at
-    a library module's global, or at one of this module's, and reaches no other module on its way."""
-    match = _GLOBAL_PATH.match(name)
-    if match is None:
-        return False
-    root, attrs = match.group(1), match.group(2)
-    if root.startswith("__builtins_dict___"):
+    """Whether every root of a guard's source (``G['__import_functrain_dot_tree'].leaves.__code__``,
+    ``list(dict.keys(__import__('torch').utils._pytree.SUPPORTED_NODES))[3]``) starts at a library
+    module (or a global of this module) and reaches no other module on its way; a local (``L[...]``)
+    anywhere in it keeps the guard."""
+    roots = list(_ROOT_PATH.finditer(name))
+    return bool(roots) and "L[" not in name and all(_is_library_root(*root.groups()) for root in roots)
+
+
+def _is_library_root(global_name: str | None, attrs: str, module_name: str | None, import_attrs: str) -> bool:
+    if module_name is not None:  # __import__('torch').utils._pytree...: start at the named submodule
+        return _library_attrs(*_submodule(module_name, import_attrs.split(".")[1:]))
+    if global_name.startswith("__builtins_dict___"):
         return True
-    if root.startswith("__import_"):
-        module_name = root[len("__import_") :].replace("_dot_", ".")
+    if global_name.startswith("__import_"):
+        module_name = global_name[len("__import_") :].replace("_dot_", ".")
         obj = sys.modules.get(module_name, _MISSING) if _LIBRARY_MODULES.fullmatch(module_name) else _MISSING
     else:  # a global of this module: the wrappers dynamo traces first live here
-        obj = globals().get(root, _MISSING)
-    for attr in attrs.split(".")[1:]:
+        obj = globals().get(global_name, _MISSING)
+    return _library_attrs(obj, attrs.split(".")[1:])
+
+
+def _submodule(module_name: str, attrs: list[str]) -> tuple[Any, list[str]]:
+    """``__import__(module_name)`` followed by ``attrs``: the deepest module reached under its own name
+    (``torch.utils._pytree`` for ``torch`` + ``utils._pytree``; a module aliased elsewhere stops there),
+    with the attributes left. A root that is not a library module resolves to nothing (kept)."""
+    obj = sys.modules.get(module_name, _MISSING)
+    while attrs and isinstance(getattr(obj, attrs[0], None), types.ModuleType):
+        child = getattr(obj, attrs[0])
+        if child.__name__ != f"{module_name}.{attrs[0]}":
+            break
+        obj, module_name, attrs = child, child.__name__, attrs[1:]
+    return (obj if _LIBRARY_MODULES.fullmatch(module_name) else _MISSING), attrs
+
+
+def _library_attrs(obj: Any, attrs: list[str]) -> bool:
+    for attr in attrs:
         if _outside_library(obj):
             return False
         obj = getattr(obj, attr, _MISSING)
@@ -298,7 +332,7 @@ def _outside_library(obj: Any) -> bool:
 
 def _skip_library_guards(entries: list[Any]) -> list[bool]:
     """dynamo's ``guard_filter_fn``: keep every guard but those on library globals (see above)."""
-    return [not (entry.is_global and _is_library_path(entry.name)) for entry in entries]
+    return [not _is_library_path(entry.name) for entry in entries]
 
 
 # ------------------------------------------------------------------------------------------ caches
@@ -409,6 +443,8 @@ class CompiledStep:
         # evaluation compiles: direct calls need the one graph of fullgraph=True.
         self._cache_hits = CacheHits(target, enabled=compile and fullgraph)
         self._lookup_in_traceable = False
+        self._settle = _settling_forward(fn) if compile else None
+        self._options = {"fullgraph": fullgraph, "dynamic": dynamic, "mode": mode, "options": options}
         if compile:
             config = dict(torch._inductor.list_mode_options(mode)) if mode else {}
             config.update(options or {})
@@ -507,6 +543,9 @@ class CompiledStep:
                 out = self._cache_hits.call(state, args, kwargs)
             if out is not MISS:
                 return out
+        if self._settle is not None:  # before the first trace, once
+            settle, self._settle = self._settle, None
+            _settle(settle, self.__name__, state, args, kwargs)
         compiles = self.num_compiles
         # The model's torch.utils.checkpoint, RNNs and log calls, made traceable (functrain.traceable).
         with traceable(self._model, compiled=self.compile):
@@ -547,11 +586,30 @@ class CompiledStep:
             _load_cache_dir(self.cache_dir)
         # Cache misses are only read to decide whether to write a cache file.
         misses = _cache_misses() if self.cache_dir is not None else 0
+        key = self._announce_first_compile(state, args, kwargs) if self.num_compiles == 0 else None
         compiles, started = self.num_compiles, time.perf_counter()
         out = self._compiled(state, *args, **kwargs)
         if self.num_compiles != compiles:
-            self._compiled_in(time.perf_counter() - started, misses)
+            seconds = time.perf_counter() - started
+            self._compiled_in(seconds, misses)
+            if key is not None:
+                _compile_times.record(key, seconds)
         return out
+
+    def _announce_first_compile(self, state: Any, args: tuple, kwargs: dict) -> str | None:
+        """Log that the first compile starts, with the last one's time on this machine where functrain's
+        cache has it (:mod:`functrain._compile_times`); returns the key to record this one under."""
+        try:
+            key = _compile_times.compile_key(self.__name__, self._model, (state, args, kwargs), self._options)
+            last = _compile_times.estimate(key)
+        except Exception as e:  # only the estimate is lost
+            log.debug("%s: no compile-time estimate (%s: %s)", self.__name__, type(e).__name__, e)
+            key, last = None, None
+        log.info(
+            "compiling %s: first call%s", self.__name__,
+            f" (~{last:.3g} s: the last compile of this step on this machine)" if last is not None else "",
+        )  # fmt: skip
+        return key
 
     def _compiled_in(self, seconds: float, misses_before: int) -> None:
         """Account for a call that compiled: time, log line, portable cache file (``misses_before``:
@@ -590,6 +648,36 @@ class CompiledStep:
     def __repr__(self) -> str:
         how = "compiled" if self.compile else "eager"
         return f"CompiledStep({self.__name__}, {how}, donate={self.donate}, compiles={self.num_compiles})"
+
+
+def _settling_forward(step: Callable[..., Any]) -> Callable[..., Any] | None:
+    """What runs a step's model once eagerly before its first trace: a train step's ``settle`` (its loss
+    function's forward, without gradients); an eval or predict step of a module is a forward itself."""
+    settle = getattr(step, "settle", None)
+    if settle is None and getattr(step, "kind", None) in ("eval", "predict"):
+        settle = step if isinstance(getattr(step, "model", None), torch.nn.Module) else None
+    return settle
+
+
+def _settle(settle: Callable[..., Any], name: str, state: Any, args: tuple, kwargs: dict) -> None:
+    """Run ``settle(state, *args)`` eagerly, leaving the random generators as they were.
+
+    Models settle Python attributes in their first forward: Hugging Face's classification heads (BERT,
+    ViT, ...) set ``config.problem_type`` from the labels. Traced first, the step guards the unsettled
+    value (``config.problem_type is None``) and recompiles on its second call, as any ``torch.compile``
+    of such a model does. One eager forward first costs far less than a compile (benchmarks/README.md).
+    A forward that fails here is left to the compiled call, which reports it.
+    """
+    device = _device_of(state)
+    devices = [device.index or 0] if device is not None and device.type not in ("cpu", "meta") else []
+    started = time.perf_counter()
+    try:
+        with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
+            settle(state, *args, **kwargs)
+    except Exception as e:
+        log.debug("%s: the eager forward before the first compile failed (%s: %s)", name, type(e).__name__, e)
+        return
+    log.debug("%s: eager forward before the first compile: %.3f s", name, time.perf_counter() - started)
 
 
 def _with_own_code(fn: Callable[..., Any]) -> Callable[..., Any]:

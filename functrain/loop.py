@@ -14,7 +14,7 @@ Example:
     >>> state = ft.TrainState.create(model, ft.optim.sgd(0.1))
     >>> loss_fn = ft.supervised_loss(torch.nn.functional.cross_entropy)
     >>> result = ft.fit(state, ft.jit(ft.make_train_step(model, loss_fn), compile=False), data,
-    ...                 batch_size=16, epochs=2, progress=False)
+    ...                 batch_size=16, epochs=2, progress_bar=False)
     >>> int(result.state.step)
     8
 """
@@ -34,6 +34,7 @@ import torch
 from functrain import distributed, random, tree
 from functrain.callbacks.base import Callback, Context
 from functrain.data import DataPosition, Loader
+from functrain.data.notes import add_note
 from functrain.ensemble.stacked import is_ensemble, run_key, run_step, size
 from functrain.logging import History
 from functrain.logging.members import expand_members
@@ -322,8 +323,9 @@ def fit(
     checkpoints: Any = None,
     save_every: int | str | None = None,
     resume: bool | int | str = False,
-    progress: bool = True,
+    progress_bar: bool = True,
     history: History | None = None,
+    progress: bool | None = None,
 ) -> FitResult:
     """Train: fold ``train_step`` over ``train_data`` for ``epochs`` or ``max_steps`` optimizer steps.
 
@@ -357,7 +359,10 @@ def fit(
             request) returns its final state at once, trains and logs nothing, and warns why
             (:class:`RunFinishedWarning`). Without resume, a state that has already taken steps continues
             the data stream where its step count puts it.
-        progress: show a progress bar (``tqdm.auto``: terminal and notebook).
+        progress_bar: show a progress bar (``tqdm.auto``: terminal and notebook), as
+            ``TrainerConfig.progress_bar``.
+        progress: deprecated alias of ``progress_bar`` (a ``DeprecationWarning``; removed in the next
+            release).
 
     Returns:
         :class:`FitResult` with the final state, the history and the last evaluation.
@@ -368,6 +373,13 @@ def fit(
     """
     from functrain.callbacks.progress import ProgressBar
 
+    if progress is not None:
+        warnings.warn(
+            "fit(progress=...) is deprecated: use progress_bar=..., the name TrainerConfig and the CLI use",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        progress_bar = progress
     extending = additional_epochs is not None or additional_steps is not None
     if not extending and epochs is None and max_steps is None:
         raise ValueError("fit: give epochs=... or max_steps=... (how long to train)")
@@ -403,6 +415,7 @@ def fit(
         shard=True,
         device=_batch_device(state),
     )
+    loader.require_batches("fit")  # before any step: zero steps is never a finished run
     if distributed.is_distributed() and getattr(train_step, "kind", None) == "train":
         reducer = getattr(train_step, "gradient_reducer", None)
         if reducer is None or getattr(reducer, "world_size", 0) != distributed.world_size():
@@ -436,7 +449,7 @@ def fit(
         manager = next((cb.manager for cb in callbacks if isinstance(cb, ModelCheckpoint)), None)
     main = distributed.is_main_process()  # only rank 0 shows progress and writes logs
     auto_bar = None
-    if progress and main and not any(isinstance(cb, ProgressBar) for cb in callbacks):
+    if progress_bar and main and not any(isinstance(cb, ProgressBar) for cb in callbacks):
         auto_bar = ProgressBar()
         callbacks.append(auto_bar)
     names = _callback_names(callbacks)
@@ -563,9 +576,10 @@ def fit(
     stop_reason = finished if nothing_to_do else ""
     last_saved = host_step if restored_path is not None or nothing_to_do else -1
     epoch_started = None
+    stream = None
     try:
         if not nothing_to_do:
-            stream = loader.iterate(position, num_epochs=num_epochs)
+            stream = _noting_steps(loader.iterate(position, num_epochs=num_epochs), lambda: host_step + 1)
             for next_position, batch in stream:
                 epoch, index = next_position.as_tuple()
                 ctx.epoch, ctx.batch_index = epoch, index - 1
@@ -614,6 +628,8 @@ def fit(
         if manager is not None and last_saved != host_step:
             state = do_save(state)
     finally:
+        if stream is not None:
+            stream.close()  # stops the prefetch thread now, not when the generator is collected
         for lg in loggers:
             if hasattr(lg, "flush"):
                 lg.flush()
@@ -621,6 +637,16 @@ def fit(
             manager.wait_until_finished()
     state = events("train_end", state, ctx)
     return FitResult(state=state, history=history, eval_metrics=ctx.eval_metrics, stop_reason=stop_reason)
+
+
+def _noting_steps(stream: Iterator[Any], next_step: Callable[[], int]) -> Iterator[Any]:
+    """``stream`` as it is, but an error raised while loading a batch leaves with a note naming the
+    training step that batch was for (the Loader's own note names its epoch and batch)."""
+    try:
+        yield from stream
+    except Exception as error:  # a generator sees only its source's errors, never the loop body's
+        add_note(error, f"functrain.fit: loading the batch of training step {next_step()}")
+        raise
 
 
 def _run_length(

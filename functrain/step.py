@@ -369,6 +369,16 @@ def make_train_step(
 
     grad_fn = grad_and_value(loss_of, argnums=0, has_aux=True)
 
+    def settle(state: Any, batch: Batch) -> None:
+        """The loss function's forward, once, eagerly and without gradients: a model that settles its own
+        Python attributes in its first forward (Hugging Face's ``config.problem_type``) does it here,
+        before the first trace, so the compiled step guards the settled value (:func:`functrain.jit`)."""
+        set_mode(True, freeze_batchnorm)
+        first = split_batch(batch, accumulate)[0] if accumulate > 1 else batch
+        buffers = {k: v.clone() for k, v in state.buffers.items()}  # BatchNorm writes into the clones
+        with torch.no_grad(), _autocast(_device_of(state.params), cast), _checkpoint_routing(model):
+            loss_fn(bind(state.params, buffers), first)
+
     def train_step(state: Any, batch: Batch) -> tuple[Any, dict[str, torch.Tensor]]:
         _check_state_matches(state, expected)
         if cast == torch.float16 and state.loss_scale is None:
@@ -452,6 +462,7 @@ def make_train_step(
     # a sharded step reduces over its ranks too (what fit checks before it trains on several processes)
     train_step.gradient_reducer = gradient_reducer if plan is None else plan.reducer  # type: ignore[attr-defined]
     train_step.sharding = sharding  # type: ignore[attr-defined]
+    train_step.settle = settle if isinstance(model, nn.Module) else None  # type: ignore[attr-defined]
     return train_step
 
 

@@ -5,7 +5,9 @@
 - ``nn.RNN``/``nn.GRU``/``nn.LSTM`` run as tensor loops when compiled (:mod:`functrain.rnn`; dynamo
   refuses torch's);
 - ``logging.Logger`` calls are skipped by dynamo instead of breaking the graph
-  (:mod:`functrain.quiet_logging`).
+  (:mod:`functrain.quiet_logging`);
+- ``nn.Transformer``'s causal-mask detection and ``nn.MultiheadAttention``'s inference fast path, which
+  read tensor values to pick a kernel, take torch's reference path (:mod:`functrain._attention_paths`).
 
 Everything is restored when the call returns.
 
@@ -20,6 +22,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from functrain._attention_paths import traceable_attention
 from functrain.quiet_logging import ignored_logging
 from functrain.remat import routed_checkpoint
 from functrain.rnn import functional_rnns
@@ -29,7 +32,7 @@ __all__ = ["traceable"]
 
 @contextlib.contextmanager
 def traceable(model: Any, *, compiled: bool = True) -> Iterator[None]:
-    """Apply the three changes above to ``model`` (an ``nn.Module``; anything else: logging only).
+    """Apply the changes above to ``model`` (an ``nn.Module``; anything else: logging only).
 
     With ``compiled=False`` (an eager step) only the checkpoint routing applies: recurrent modules keep
     torch's kernel, which ``torch.func.grad`` runs (and cuDNN's is much faster than a loop), and log
@@ -39,5 +42,5 @@ def traceable(model: Any, *, compiled: bool = True) -> Iterator[None]:
         with routed_checkpoint(model):
             yield
         return
-    with routed_checkpoint(model), functional_rnns(model), ignored_logging():
+    with routed_checkpoint(model), functional_rnns(model), traceable_attention(model), ignored_logging():
         yield

@@ -20,9 +20,11 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
-from collections.abc import Callable, Iterable, Mapping
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +41,7 @@ from functrain.loop import FitResult, _onto, data_key, evaluate, fit
 from functrain.model_summary import summary
 from functrain.precision import LossScale
 from functrain.state import TrainState
-from functrain.step import _inputs_and_target, make_eval_step, make_predict_step, make_train_step
+from functrain.step import _INPUT_KEYS, _inputs_and_target, make_eval_step, make_predict_step, make_train_step
 
 __all__ = ["Trainer", "build_optimizer", "build_schedule", "resolve_device"]
 
@@ -192,7 +194,15 @@ class Trainer:
         train_dataset, eval_dataset: map-style datasets (``(inputs, target)`` samples or dicts with
             input/target keys), iterable datasets or ``DataLoader``s.
         data_collator: builds a batch from a list of samples.
-        loss: a criterion ``loss(preds, target)``; default: ``config.loss``.
+        loss_fn: the loss of a batch, ``loss_fn(model, batch) -> loss`` or ``(loss, {"preds": ...,
+            "target": ...})``, as everywhere in functrain (``make_train_step``, ``fit``); it replaces
+            :meth:`compute_loss`'s default. Without it: a batch dict holding ``labels`` given to a model
+            whose ``forward`` takes ``labels`` (Hugging Face's convention) runs ``model(**batch)`` and
+            trains on the output's ``loss``, with ``logits`` and ``labels`` for the metrics; other batches
+            are ``(inputs, target)`` for ``criterion``.
+        criterion: ``criterion(preds, target) -> loss`` for ``(inputs, target)`` batches; default:
+            ``config.loss`` (a Hugging Face model's own loss is used unless ``config.loss`` or this is set).
+        loss: deprecated alias of ``criterion`` (a ``DeprecationWarning``; removed in the next release).
         optimizer: a :class:`functrain.optim.GradientTransformation`; default: ``config.optimizer`` and
             ``config.scheduler``.
         callbacks: extra :class:`functrain.callbacks.Callback` objects for this trainer's runs.
@@ -210,9 +220,11 @@ class Trainer:
         eval_dataset: Any = None,
         *,
         data_collator: Callable[[list[Any]], Any] | None = None,
-        loss: Callable[[Any, Any], torch.Tensor] | None = None,
+        loss_fn: Callable[[Callable[..., Any], Any], Any] | None = None,
+        criterion: Callable[[Any, Any], torch.Tensor] | None = None,
         optimizer: optim.GradientTransformation | None = None,
         callbacks: Iterable[cbs.Callback] = (),
+        loss: Callable[[Any, Any], torch.Tensor] | None = None,
     ) -> None:
         if isinstance(config, TrainerConfig):
             self.config = config
@@ -233,7 +245,27 @@ class Trainer:
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
         self.data_collator = data_collator
-        self.criterion = loss if loss is not None else self._build_criterion()
+        if loss is not None:
+            warnings.warn(
+                "Trainer(loss=...) is deprecated: it is the criterion(preds, target); pass criterion=... "
+                "(or loss_fn=(model, batch) -> loss for the whole loss)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            if criterion is not None:
+                raise TypeError("Trainer: give criterion=... only (loss= is its deprecated name)")
+            criterion = loss
+        if loss_fn is not None and criterion is not None:
+            raise TypeError(
+                "Trainer: give loss_fn(model, batch) or criterion(preds, target), not both (loss_fn "
+                "computes the whole loss, so the criterion would never be used)"
+            )
+        self.loss_fn = loss_fn
+        # A model that takes labels computes its own loss (Hugging Face); an explicit criterion wins.
+        self.model_takes_labels = _forward_takes_labels(model)
+        explicit = criterion is not None or cfg.loss != type(cfg.loss)()
+        self.criterion = criterion if criterion is not None else self._build_criterion()
+        self._use_model_loss = self.model_takes_labels and not explicit
         self.device = resolve_device(cfg.device)
         if cfg.mixed_precision == "fp16" and self.device.type != "cuda":
             raise ConfigError.single(
@@ -262,6 +294,8 @@ class Trainer:
             freeze_batchnorm=cfg.freeze.batchnorm,
             gradient_reducer=reducer,
         )
+        if cfg.nonfinite != "ignore":  # inside the ensemble's vmap below: each member skips on its own
+            self._train_step = cbs.skip_nonfinite(self._train_step)
         self._eval_step = make_eval_step(
             model, self._loss_for_eval, metrics=self.metrics, precision=self._precision
         )
@@ -274,11 +308,30 @@ class Trainer:
     # ------------------------------------------------------------------------------ extension points
 
     def compute_loss(self, model: Callable[..., Any], batch: Any) -> Any:
-        """The loss of one batch: ``(loss, {"preds": ..., "target": ...})``. Override for custom models.
+        """The loss of one batch: ``(loss, {"preds": ..., "target": ...})``. Override for custom models,
+        or pass ``Trainer(loss_fn=...)``.
 
         ``model`` runs the network with the state's weights; the batch has been through
-        :meth:`preprocess` (and :meth:`augment` when training).
+        :meth:`preprocess` (and :meth:`augment` when training). By default: ``loss_fn(model, batch)``
+        when given; a batch dict with ``labels`` for a model that takes them: ``model(**batch)``, its
+        output's ``loss``, ``logits`` as the predictions (Hugging Face); else ``criterion(model(inputs),
+        target)``.
         """
+        if self.loss_fn is not None:
+            return self.loss_fn(model, batch)
+        if self.model_takes_labels and isinstance(batch, Mapping) and "labels" in batch:
+            out = model(**batch)
+            logits = _output_field(out, "logits", 1)
+            if self._use_model_loss:
+                loss = _output_field(out, "loss", 0)
+                if loss is None:
+                    raise ValueError(
+                        f"Trainer: {type(self.model).__name__} returned no loss for a batch with labels; "
+                        "pass criterion=... (applied to its logits) or loss_fn=(model, batch) -> loss"
+                    )
+            else:
+                loss = self.criterion(logits, batch["labels"])
+            return loss, {"preds": logits, "target": batch["labels"]}
         x, y = _inputs_and_target(batch)
         preds = model(x)
         return self.criterion(preds, y), {"preds": preds, "target": y}
@@ -312,7 +365,9 @@ class Trainer:
         """Run training as configured; returns the :class:`functrain.FitResult` (``self.state`` is updated).
 
         Refuses to start in an ``output_dir`` holding an earlier run unless ``overwrite_output_dir`` or
-        ``resume_from_checkpoint`` says what to do with it. Saves the resolved config there.
+        ``resume_from_checkpoint`` says what to do with it. Saves the resolved config there, once the run
+        has been checked against what the folder holds (the resumed checkpoint restored onto this model,
+        the data non-empty): a refused run writes nothing there.
 
         ``epochs``/``max_steps`` are the run's total length: resuming a run that reached it, or that early
         stopping ended, returns its final state at once with a :class:`functrain.RunFinishedWarning`.
@@ -326,25 +381,24 @@ class Trainer:
         cfg = self.config
         if self.train_dataset is None:
             raise ValueError("Trainer.train: no train_dataset was given")
+        train_loader = self._loader(
+            self.train_dataset, cfg.batch_size * cfg.gradient_accumulation_steps, train=True
+        )
+        train_loader.require_batches("Trainer.train")
         out = Path(cfg.output_dir)
         self._check_output_dir(out)
-        distributed.barrier()  # every rank checks the directory before rank 0 writes into it
-        if distributed.is_main_process():
-            out.mkdir(parents=True, exist_ok=True)
-            cfg.save(out / "config.yaml")
-            if cfg.print_summary:
-                print(summary(self.model, frozen=self.frozen))
         manager = self.checkpoint_manager()
         resume = self._resume_argument(manager)
-        loggers = self._loggers(out / cfg.logs_dir)
+        distributed.barrier()  # every rank checks the directory before rank 0 writes into it
+        loggers = self._loggers(out / cfg.logs_dir)  # they write nothing before their first line
+        # fit restores the checkpoint (refusing one of another model) before train_begin, the first event
+        start = cbs.LambdaCallback("run_directory", on_train_begin=lambda s, ctx: self._start_run(out) or s)
         extending = additional_epochs is not None or additional_steps is not None
         try:
             result = fit(
                 self.state,
                 self._jit("train", self.train_step),
-                self._loader(
-                    self.train_dataset, cfg.batch_size * cfg.gradient_accumulation_steps, train=True
-                ),
+                train_loader,
                 eval_step=self._jit("eval", self.eval_step) if cfg.eval_strategy != "no" else None,
                 eval_data=self._loader(self.eval_dataset, cfg.resolved_eval_batch_size, train=False)
                 if cfg.eval_strategy != "no"
@@ -356,11 +410,11 @@ class Trainer:
                 eval_every=self._every(cfg.eval_strategy, cfg.eval_steps),
                 save_every=self._every(cfg.save_strategy, cfg.save_steps),
                 log_every=cfg.log_steps,
-                callbacks=self._callbacks(),
+                callbacks=[start, *self._callbacks()],
                 loggers=loggers,
                 checkpoints=manager,
                 resume=resume,
-                progress=cfg.progress_bar,
+                progress_bar=cfg.progress_bar,
             )
         finally:  # also when training fails or is interrupted: W&B finishes its run, MLflow marks it
             for lg in loggers:  # finished, files are closed
@@ -542,6 +596,13 @@ class Trainer:
         batch = self.preprocess(batch)
         if isinstance(batch, torch.Tensor):
             return model(batch)
+        if (
+            self.model_takes_labels
+            and isinstance(batch, Mapping)
+            and not any(k in batch for k in _INPUT_KEYS)
+        ):
+            # a Hugging Face batch (input_ids, attention_mask, ...): the logits, without computing a loss
+            return _output_field(model(**{k: v for k, v in batch.items() if k != "labels"}), "logits", 0)
         try:
             x, _ = _inputs_and_target(batch)
         except (KeyError, TypeError):
@@ -608,6 +669,11 @@ class Trainer:
             out.append(cbs.PrintMetrics(every=cfg.print_steps))
         if cfg.ema is not None and cfg.ema.evaluate:
             out.append(averaging.AveragedEvaluation())
+        if cfg.nonfinite != "ignore":
+            stop = cfg.nonfinite == "stop"
+            out.append(
+                cbs.SkippedSteps(1 if stop else cfg.resolved_max_consecutive_nonfinite, every_step=stop)
+            )
         return out + self.extra_callbacks
 
     def _loggers(self, log_dir: Path) -> list[Any]:
@@ -628,7 +694,23 @@ class Trainer:
             loggers.append(ftlog.MLflowWriter(log_dir, run_name=run_name))
         return loggers
 
+    def _start_run(self, out: Path) -> None:
+        """Write the run directory: the run has been checked against it (see :meth:`train`)."""
+        cfg = self.config
+        if not distributed.is_main_process():
+            return
+        if cfg.overwrite_output_dir and not cfg.resume_from_checkpoint and out.exists():
+            import shutil
+
+            for sub in (cfg.checkpoints_dir, cfg.logs_dir):
+                shutil.rmtree(out / sub, ignore_errors=True)
+        out.mkdir(parents=True, exist_ok=True)
+        cfg.save(out / "config.yaml")
+        if cfg.print_summary:
+            print(summary(self.model, frozen=self.frozen))
+
     def _check_output_dir(self, out: Path) -> None:
+        """Refuse an ``output_dir`` holding a run unless the config says to overwrite or resume it."""
         cfg = self.config
         if (
             not out.exists()
@@ -636,11 +718,6 @@ class Trainer:
             or cfg.overwrite_output_dir
             or cfg.resume_from_checkpoint
         ):
-            if cfg.overwrite_output_dir and out.exists() and not cfg.resume_from_checkpoint:
-                import shutil
-
-                for sub in (cfg.checkpoints_dir, cfg.logs_dir):
-                    shutil.rmtree(out / sub, ignore_errors=True)
             return
         raise FileExistsError(
             f"output_dir {str(out)!r} already holds a run; set overwrite_output_dir: true to replace it, "
@@ -717,3 +794,24 @@ class Trainer:
         self.sweep_results = rows
         ensemble_sweep.write_results(rows, out, best=self.sweep_best)
         ensemble_sweep.plot_sweep(result.history, self.sweep_members, out / "sweep_curves.png")
+
+
+def _forward_takes_labels(model: nn.Module) -> bool:
+    """Whether ``model.forward`` takes ``labels`` (a Hugging Face model computes its loss from them)."""
+    try:
+        return "labels" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # no signature to read (a C extension's forward)
+        return False
+
+
+def _output_field(out: Any, name: str, position: int) -> Any:
+    """``out.<name>`` of a model output: a Hugging Face ``ModelOutput`` (a mapping with attributes), a
+    dict, or the tuple of ``return_dict=False`` (``(loss, logits, ...)`` with labels, ``(logits, ...)``
+    without); a plain tensor is its own logits."""
+    if isinstance(out, torch.Tensor):
+        return out if name == "logits" else None
+    if isinstance(out, Mapping):
+        return out.get(name)
+    if isinstance(out, Sequence) and len(out) > position:
+        return out[position]
+    return getattr(out, name, None)

@@ -65,7 +65,7 @@ def train(
         max_steps=max_steps,
         eval_every=None,
         log_every=5,
-        progress=False,
+        progress_bar=False,
         checkpoints=checkpoints,
         save_every=5 if checkpoints else None,
         resume=resume,
@@ -94,7 +94,7 @@ def _batchnorm_check(out: dict) -> None:
     state = distributed.replicate(ft.TrainState.create(model, ft.optim.sgd(0.1), seed=3))
     reducer = distributed.gradient_reducer(model=model)
     step = ft.jit(ft.make_train_step(model, loss_fn(), gradient_reducer=reducer), compile=False)
-    result = ft.fit(state, step, dataset(48, 1), batch_size=PER_RANK_BATCH, max_steps=5, progress=False)
+    result = ft.fit(state, step, dataset(48, 1), batch_size=PER_RANK_BATCH, max_steps=5, progress_bar=False)
     x, y = ft.data.collate(dataset(4, 5))
     n = 4 if distributed.rank() == 0 else 0
     after, metrics = step(result.state, (x[:n], y[:n]))

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         resume=args.resume,
         callbacks=[stopper, StopAt(args.stop_at, args.sleep), ft.callbacks.Preemption()],
         loggers=[ft.logging.JSONLWriter(args.run_dir)],
-        progress=False,
+        progress_bar=False,
     )
     checkpoint.save(
         os.path.join(args.run_dir, "final.ckpt"),

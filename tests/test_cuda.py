@@ -153,7 +153,7 @@ def test_fit_from_a_cpu_dataset_with_both_evaluation_paths(device):
     data = list(zip(*classification_batch(64)))  # CPU tensors, as a user's dataset holds them
     state = ft.TrainState.create(model, ft.optim.adam(1e-2), seed=0, device=device)
     result = ft.fit(
-        state, train_step, data, batch_size=16, epochs=3, progress=False,
+        state, train_step, data, batch_size=16, epochs=3, progress_bar=False,
         eval_step=eval_step, eval_data=data, eval_every="epoch",
     )  # fmt: skip
     assert int(result.state.step) == 12 and result.state.params["0.weight"].device.type == device
@@ -162,7 +162,7 @@ def test_fit_from_a_cpu_dataset_with_both_evaluation_paths(device):
     # the same run on the CPU, eagerly: the device run computes the same thing
     cpu = ft.fit(
         ft.TrainState.create(model, ft.optim.adam(1e-2), seed=0), ft.jit(train_step.fn, compile=False),
-        data, batch_size=16, epochs=3, progress=False,
+        data, batch_size=16, epochs=3, progress_bar=False,
     )  # fmt: skip
     close(result.state.params, cpu.state.to(device).params, rtol=1e-3, atol=1e-4)
     preds = ft.predict(result.state, ft.make_predict_step(model), [x for x, _ in data], batch_size=16,

@@ -130,7 +130,7 @@ def test_fit_saves_the_layout_and_refuses_a_resume_with_another_global_batch(tmp
     step = ft.jit(
         ft.make_train_step(model, ft.supervised_loss(torch.nn.functional.cross_entropy)), compile=False
     )
-    ft.fit(state, step, data, batch_size=6, max_steps=2, progress=False, checkpoints=str(tmp_path))
+    ft.fit(state, step, data, batch_size=6, max_steps=2, progress_bar=False, checkpoints=str(tmp_path))
     manager = ft.checkpoint.CheckpointManager(str(tmp_path))
     assert manager.header(2).metadata["data_parallel"] == {
         "world_size": 1,
@@ -144,7 +144,7 @@ def test_fit_saves_the_layout_and_refuses_a_resume_with_another_global_batch(tmp
             data,
             batch_size=4,
             max_steps=4,
-            progress=False,
+            progress_bar=False,
             checkpoints=str(tmp_path),
             resume=True,
         )

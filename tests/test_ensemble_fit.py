@@ -59,7 +59,7 @@ def test_fit_records_every_members_scalars_and_evaluates_each_member(tmp_path):
             ft.logging.TensorBoardWriter(tmp_path / "tb"),
         ],
         callbacks=[ft.callbacks.LearningRateMonitor()],
-        progress=False,
+        progress_bar=False,
     )
     names = result.history.names()
     for key in (
@@ -108,7 +108,7 @@ def test_monitors_follow_a_member_or_the_best_and_one_checkpoint_holds_all(tmp_p
         eval_step=eval_step,
         eval_data=data,
         callbacks=[saver, stopper],
-        progress=False,
+        progress_bar=False,
     )
     assert (
         "eval/loss/best did not improve" in result.stop_reason
@@ -149,7 +149,7 @@ def _run(run_dir, stop_at=None, resume=False):
         loggers=[ft.logging.JSONLWriter(run_dir)],
         checkpoints=run_dir / "ckpt",
         resume=resume,
-        progress=False,
+        progress_bar=False,
     )
 
 
@@ -173,8 +173,8 @@ def test_fit_refuses_an_ensemble_state_with_a_single_model_step():
     model, _, state, _, _ = _setup()
     plain = ft.jit(ft.make_train_step(model, LOSS), compile=False)
     with pytest.raises(ValueError, match=r"ensemble of 3 members.*ft.ensemble.step"):
-        ft.fit(state, plain, _data(), batch_size=16, epochs=1, progress=False)
+        ft.fit(state, plain, _data(), batch_size=16, epochs=1, progress_bar=False)
     ens_step = ft.jit(ft.ensemble.step(ft.make_train_step(model, LOSS)), compile=False)
     single = ft.TrainState.create(model, ft.optim.sgd(0.1))
     with pytest.raises(ValueError, match="not an ensemble state"):
-        ft.fit(single, ens_step, _data(), batch_size=16, epochs=1, progress=False)
+        ft.fit(single, ens_step, _data(), batch_size=16, epochs=1, progress_bar=False)

@@ -23,12 +23,20 @@ def small_env(tmp_path: Path) -> dict[str, str]:
 
 
 def test_every_example_is_listed():
-    assert SCRIPTS == ["01_compose_steps.py", "02_fit.py", "03_trainer.py", "04_finetune.py"]
+    assert SCRIPTS == [
+        "01_compose_steps.py",
+        "02_fit.py",
+        "03_trainer.py",
+        "04_finetune.py",
+        "07_hf_finetune.py",
+    ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_example_runs(script: str, tmp_path: Path):
+    if script == "07_hf_finetune.py":
+        pytest.importorskip("transformers")  # a test-only extra
     args = [sys.executable, str(EXAMPLES / script)]
     if script == "02_fit.py":
         args.append(str(tmp_path / "fit_run"))

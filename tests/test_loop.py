@@ -69,7 +69,7 @@ def test_events_fire_in_the_documented_order(tmp_path):
         eval_batch_size=10,
         checkpoints=tmp_path / "ckpt",
         save_every="epoch",
-        progress=False,
+        progress_bar=False,
     )
     ft.fit(state, train_step, dataset(40), epochs=2, callbacks=[rec], **run)
     names = [e for e, _ in rec.events]
@@ -103,7 +103,7 @@ def test_stop_save_and_evaluate_requests_are_honoured(tmp_path):
         eval_every=None,
         checkpoints=manager,
         callbacks=[rec],
-        progress=False,
+        progress_bar=False,
     )
     assert int(result.state.step) == 5 and result.stop_reason == "recorder asked"
     assert manager.all_steps() == [2, 5]  # the requested save, and the final state
@@ -116,7 +116,7 @@ def test_callback_must_return_the_state():
     _, state, train_step, _ = setup()
     bad = ft.callbacks.LambdaCallback(on_step_end=lambda s, ctx: None)
     with pytest.raises(TypeError, match="must return the state"):
-        ft.fit(state, train_step, dataset(16), batch_size=8, max_steps=1, callbacks=[bad], progress=False)
+        ft.fit(state, train_step, dataset(16), batch_size=8, max_steps=1, callbacks=[bad], progress_bar=False)
 
 
 def test_evaluate_equals_torchmetrics_on_the_whole_set_with_a_short_last_batch():
@@ -166,7 +166,7 @@ def test_logs_reach_jsonl_csv_and_tensorboard(tmp_path):
         eval_data=dataset(16),
         callbacks=[ft.callbacks.LearningRateMonitor()],
         loggers=loggers,
-        progress=False,
+        progress_bar=False,
     )
     for lg in loggers:
         lg.close()
@@ -187,11 +187,11 @@ def test_logs_reach_jsonl_csv_and_tensorboard(tmp_path):
 def test_fit_argument_errors_are_explained():
     _, state, train_step, eval_step = setup()
     with pytest.raises(ValueError, match=r"epochs=\.\.\. or max_steps"):
-        ft.fit(state, train_step, dataset(8), batch_size=4, progress=False)
+        ft.fit(state, train_step, dataset(8), batch_size=4, progress_bar=False)
     with pytest.raises(ValueError, match="eval_step and eval_data"):
-        ft.fit(state, train_step, dataset(8), batch_size=4, epochs=1, eval_step=eval_step, progress=False)
+        ft.fit(state, train_step, dataset(8), batch_size=4, epochs=1, eval_step=eval_step, progress_bar=False)
     with pytest.raises(ValueError, match="batch_size"):
-        ft.fit(state, train_step, dataset(8), epochs=1, progress=False)
+        ft.fit(state, train_step, dataset(8), epochs=1, progress_bar=False)
 
 
 def test_early_stopping_stops_and_restores_best():
@@ -206,7 +206,7 @@ def test_early_stopping_stops_and_restores_best():
         eval_step=eval_step,
         eval_data=dataset(16, seed=2),
         callbacks=[stopper],
-        progress=False,
+        progress_bar=False,
     )
     # min_delta is huge: only the first evaluation counts as an improvement, two more exhaust patience
     assert int(result.state.step) == 3 * 4 and "early stopping" in result.stop_reason
@@ -222,7 +222,7 @@ def test_non_finite_guard_names_the_step():
         compile=False,
     )
     guard = ft.callbacks.NonFiniteGuard(action="stop")
-    result = ft.fit(state, step, dataset(16), batch_size=8, epochs=1, callbacks=[guard], progress=False)
+    result = ft.fit(state, step, dataset(16), batch_size=8, epochs=1, callbacks=[guard], progress_bar=False)
     assert "step 1" in result.stop_reason and guard.bad_steps == [1]
     assert torch.equal(result.state.params["0.weight"], state.params["0.weight"]), (
         "the bad update is not kept"
@@ -243,7 +243,7 @@ def _early_stopped_run(tmp_path, **extra):
         checkpoints=tmp_path / "ckpt",
         save_every="epoch",
         loggers=[ft.logging.JSONLWriter(tmp_path / "logs")],
-        progress=False,
+        progress_bar=False,
     )
     run.update(extra)
     return state, train_step, stopper, run
@@ -278,7 +278,7 @@ def test_resume_of_an_early_stopped_run_returns_it_at_once_and_says_why(tmp_path
 
 def test_resume_of_a_run_that_reached_its_length_trains_nothing(tmp_path):
     _, state, train_step, _ = setup()
-    run = dict(batch_size=8, checkpoints=tmp_path / "ckpt", progress=False)
+    run = dict(batch_size=8, checkpoints=tmp_path / "ckpt", progress_bar=False)
     first = ft.fit(
         state, train_step, dataset(40), epochs=2, loggers=[ft.logging.JSONLWriter(tmp_path / "l")], **run
     )
@@ -304,16 +304,16 @@ def test_resume_of_a_run_that_reached_its_length_trains_nothing(tmp_path):
 def test_fit_again_on_a_finished_state_warns_and_additional_epochs_trains_more():
     _, state, train_step, _ = setup()
     data = dataset(40)
-    first = ft.fit(state, train_step, data, batch_size=8, epochs=1, progress=False)
+    first = ft.fit(state, train_step, data, batch_size=8, epochs=1, progress_bar=False)
     with pytest.warns(ft.RunFinishedWarning, match=r"count the whole run.*epochs=2, additional_epochs=N"):
-        same = ft.fit(first.state, train_step, data, batch_size=8, epochs=1, progress=False)
+        same = ft.fit(first.state, train_step, data, batch_size=8, epochs=1, progress_bar=False)
     assert same.state is first.state or int(same.state.step) == 5
-    more = ft.fit(first.state, train_step, data, batch_size=8, additional_epochs=2, progress=False)
+    more = ft.fit(first.state, train_step, data, batch_size=8, additional_epochs=2, progress_bar=False)
     # two more epochs, continuing the data stream (epochs 1 and 2), as one 3-epoch run does
-    whole = ft.fit(state, train_step, data, batch_size=8, epochs=3, progress=False)
+    whole = ft.fit(state, train_step, data, batch_size=8, epochs=3, progress_bar=False)
     assert int(more.state.step) == 15
     assert all(torch.equal(more.state.params[k], whole.state.params[k]) for k in whole.state.params)
-    steps = ft.fit(first.state, train_step, data, batch_size=8, additional_steps=3, progress=False)
+    steps = ft.fit(first.state, train_step, data, batch_size=8, additional_steps=3, progress_bar=False)
     assert int(steps.state.step) == 8
     with pytest.raises(ValueError, match="not several"):
         ft.fit(first.state, train_step, data, batch_size=8, epochs=2, additional_epochs=1)
@@ -328,7 +328,7 @@ def test_a_non_final_stop_leaves_the_run_resumable(tmp_path):
                 ctx.control.stop("paused", final=False)
             return state
 
-    run = dict(batch_size=8, epochs=2, checkpoints=tmp_path / "ckpt", resume=True, progress=False)
+    run = dict(batch_size=8, epochs=2, checkpoints=tmp_path / "ckpt", resume=True, progress_bar=False)
     assert ft.fit(state, train_step, dataset(40), callbacks=[Pause()], **run).stop_reason == "paused"
     assert int(ft.fit(state, train_step, dataset(40), **run).state.step) == 10
 
@@ -361,7 +361,7 @@ def test_timer_counts_a_step_compiled_before_this_fit_as_compiled():
 
     compiled_earlier.num_compiles = 1  # as a CompiledStep that compiled in an earlier fit
     result = ft.fit(
-        state, compiled_earlier, dataset(40), batch_size=8, epochs=1, log_every=2, progress=False,
+        state, compiled_earlier, dataset(40), batch_size=8, epochs=1, log_every=2, progress_bar=False,
         callbacks=[ft.callbacks.Timer()],
     )  # fmt: skip
     assert [s for s, _ in result.history.series("time/eta_s")][:1] == [2]
@@ -374,7 +374,7 @@ def test_a_plain_dataloader_without_resume_does_not_warn():
     loader = torch.utils.data.DataLoader(dataset(40), batch_size=8, shuffle=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # ResumeWarning included: nothing is resumed here
-        result = ft.fit(state, train_step, loader, epochs=1, progress=False)
+        result = ft.fit(state, train_step, loader, epochs=1, progress_bar=False)
     assert int(result.state.step) == 5
 
 

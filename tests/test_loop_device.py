@@ -62,7 +62,7 @@ def test_fit_evaluate_and_predict_move_batches_onto_the_state_device(kind):
     train_step, eval_step, predict_step = recording_steps(seen)
     data, batch_size = sources(dataset())[kind]
     result = ft.fit(
-        state, train_step, data, batch_size=batch_size, max_steps=3, progress=False,
+        state, train_step, data, batch_size=batch_size, max_steps=3, progress_bar=False,
         eval_step=eval_step, eval_data=data, eval_every=3,
     )  # fmt: skip
     assert int(result.state.step) == 3
@@ -77,7 +77,7 @@ def test_a_loader_with_its_own_device_keeps_it():
     seen = []
     train_step, _, _ = recording_steps(seen)
     ft.fit(state, train_step, ft.data.Loader(dataset(), 4, shuffle=False, device="cpu"), max_steps=2,
-           progress=False)  # fmt: skip
+           progress_bar=False)  # fmt: skip
     assert seen == [{torch.device("cpu")}] * 2
 
 
@@ -90,7 +90,9 @@ def test_a_cpu_state_gets_the_batches_as_they_are():
         pointers.append(batch[0].data_ptr())
         return state.replace(step=state.step + 1), {}
 
-    ft.fit(state, step, torch.utils.data.DataLoader(batches, batch_size=None), max_steps=3, progress=False)
+    ft.fit(
+        state, step, torch.utils.data.DataLoader(batches, batch_size=None), max_steps=3, progress_bar=False
+    )
     assert pointers == [x.data_ptr() for x, _ in batches]  # not copied
     loader = ft.data.Loader(dataset(), 4, shuffle=False)
     assert loop._as_loader(loader, None, random.key(0), "fit", shuffle=False, device=None) is loader

@@ -17,7 +17,7 @@ def _run(callbacks: list, steps: int) -> ft.FitResult:
     state = ft.TrainState.create(model, ft.optim.sgd(0.1))
     step = ft.jit(ft.make_train_step(model, ft.supervised_loss(torch.nn.functional.mse_loss)), compile=False)
     data = torch.utils.data.TensorDataset(torch.randn(8 * steps, 4), torch.randn(8 * steps, 1))
-    return ft.fit(state, step, data, batch_size=8, epochs=1, callbacks=callbacks, progress=False)
+    return ft.fit(state, step, data, batch_size=8, epochs=1, callbacks=callbacks, progress_bar=False)
 
 
 def _profiler_steps(trace: dict) -> list[str]:

@@ -9,6 +9,7 @@ from functrain.callbacks.base import EVENTS, Callback, Context, Control, LambdaC
 from functrain.callbacks.checkpointing import ModelCheckpoint
 from functrain.callbacks.early_stopping import EarlyStopping
 from functrain.callbacks.monitors import LearningRateMonitor, NonFiniteGuard, NonFiniteLossError, Timer
+from functrain.callbacks.nonfinite import SkippedSteps, skip_nonfinite
 from functrain.callbacks.preemption import Preemption
 from functrain.callbacks.profiler import Profiler
 from functrain.callbacks.progress import PrintMetrics, ProgressBar
@@ -28,5 +29,7 @@ __all__ = [
     "PrintMetrics",
     "Profiler",
     "ProgressBar",
+    "SkippedSteps",
     "Timer",
+    "skip_nonfinite",
 ]

@@ -24,7 +24,9 @@ def _shown_by_default(key: str) -> bool:
 class ProgressBar(Callback):
     """A ``tqdm.auto`` progress bar over optimizer steps, showing the latest logged loss and metrics.
 
-    The bar only shows values the loop has already logged, so it never syncs the device itself.
+    The bar only shows values the loop has already logged, so it never syncs the device itself. Until
+    the run's first step returns, while nothing has compiled yet (``ctx.compiles == 0``), it says
+    "compiling" (functrain.jit logs the start, with the last compile's time on this machine).
 
     Example:
         >>> ft.fit(state, step, data, batch_size=32, epochs=1, callbacks=[ProgressBar(leave=False)])
@@ -35,6 +37,7 @@ class ProgressBar(Callback):
         self.keys = keys
         self._bar: Any = None
         self._shown: dict[str, float] = {}
+        self._compiling = False
 
     def on_train_begin(self, state: Any, ctx: Context) -> Any:
         from tqdm.auto import tqdm
@@ -42,10 +45,16 @@ class ProgressBar(Callback):
         self._bar = tqdm(
             total=ctx.max_steps, initial=ctx.step, leave=self.leave, unit="step", dynamic_ncols=True
         )
+        self._compiling = ctx.compiles == 0  # the first step compiles: say so until it returns
+        if self._compiling:
+            self._bar.set_description_str("compiling", refresh=True)
         return state
 
     def on_step_end(self, state: Any, ctx: Context) -> Any:
         if self._bar is not None:
+            if self._compiling:
+                self._compiling = False
+                self._bar.set_description_str("", refresh=False)
             self._bar.update(1)
         return state
 
@@ -79,7 +88,7 @@ class PrintMetrics(Callback):
     """Print the logged values every ``every`` steps (Towhee's ``print_steps``) and after evaluations.
 
     Example:
-        >>> ft.fit(state, step, data, batch_size=32, epochs=1, log_every=10, progress=False,
+        >>> ft.fit(state, step, data, batch_size=32, epochs=1, log_every=10, progress_bar=False,
         ...        callbacks=[PrintMetrics(every=10)])
     """
 

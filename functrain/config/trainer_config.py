@@ -164,6 +164,18 @@ class TrainerConfig(ConfigSection):
     max_grad_norm: float | None = option(
         None, doc="Clip gradients to this global norm before each update; null: no clipping.", greater_than=0
     )
+    nonfinite: Literal["skip", "stop", "ignore"] = option(
+        "skip",
+        doc="A training step whose loss or gradients are NaN/inf: 'skip' its update (weights, buffers and "
+        "optimizer state stay as they were; logged as train/skipped_steps), 'stop' the run with an error at "
+        "that step (one host sync per step), or 'ignore' it (the update is applied: NaN spreads to every weight).",
+    )
+    max_consecutive_nonfinite: int | None = option(
+        None,
+        doc="With nonfinite=skip: end the run with an error once this many steps in a row were skipped "
+        "(checked when training scalars are logged); null: 10.",
+        minimum=1,
+    )
     # -- evaluation
     metrics: dict[str, dict[str, Any]] = option(
         default_factory=dict,
@@ -277,6 +289,11 @@ class TrainerConfig(ConfigSection):
     def resolved_eval_batch_size(self) -> int:
         """``eval_batch_size``, or ``batch_size`` when it is null."""
         return self.eval_batch_size if self.eval_batch_size is not None else self.batch_size
+
+    @property
+    def resolved_max_consecutive_nonfinite(self) -> int:
+        """``max_consecutive_nonfinite``, or 10 when it is null."""
+        return self.max_consecutive_nonfinite if self.max_consecutive_nonfinite is not None else 10
 
     @property
     def resolved_best_model_mode(self) -> Literal["min", "max"]:
@@ -407,6 +424,15 @@ class TrainerConfig(ConfigSection):
                 f"({self.save_steps}) is not a multiple of eval_steps ({self.eval_steps}): with "
                 "load_best_model_at_end every checkpoint needs an evaluation result",
                 f"set save_steps to a multiple of {self.eval_steps}",
+            )
+
+    @rule("nonfinite", "max_consecutive_nonfinite")
+    def _nonfinite_limit_needs_skip(self) -> Iterable[Problem]:
+        if self.max_consecutive_nonfinite is not None and self.nonfinite != "skip":
+            yield Problem(
+                "max_consecutive_nonfinite",
+                f"only applies with nonfinite=skip, but nonfinite is {self.nonfinite!r}",
+                "set nonfinite=skip, or max_consecutive_nonfinite=null",
             )
 
     @rule("device")

@@ -27,6 +27,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from functrain import random
+from functrain.data.notes import add_note
 from functrain.data.position import DataPosition
 from functrain.data.prefetch import Prefetcher
 from functrain.data.sources import DataLoaderSource, IterableSource, MapSource
@@ -199,6 +200,23 @@ class Loader:
             )
         return self.batches_per_epoch
 
+    def require_batches(self, what: str) -> None:
+        """Raise ``ValueError`` when an epoch has no batch (an empty dataset, or fewer examples than
+        ``batch_size`` with ``drop_last``), naming the dataset's length, ``batch_size`` and ``drop_last``.
+
+        Example:
+            >>> Loader(list(range(5)), 4, shuffle=False, drop_last=True).require_batches("fit")  # one batch
+            >>> # with 3 examples: ValueError: fit: an epoch of the training data has no batches: the dataset
+            >>> # has 3 examples, batch_size=4, drop_last=True; ...
+        """
+        if self.batches_per_epoch != 0:
+            return
+        raise ValueError(
+            f"{what}: an epoch of the training data has no batches: {self._source.describe()}; "
+            "check that the dataset is not empty, give it at least batch_size examples, lower batch_size, "
+            "or set drop_last=False"
+        )
+
     @property
     def exact_resume(self) -> bool:
         """True when resuming at any position reproduces the uninterrupted run's batches exactly."""
@@ -269,11 +287,7 @@ class Loader:
             raise TypeError(f"Loader.iterate: position must be a DataPosition, got {type(position).__name__}")
         if num_epochs is not None:
             _check_int("num_epochs", num_epochs, minimum=0)
-        if self.batches_per_epoch == 0:
-            raise ValueError(
-                "Loader.iterate: an epoch has no batches (dataset smaller than one step with drop_last=True); "
-                "use a smaller batch size or drop_last=False"
-            )
+        self.require_batches("Loader.iterate")
         if self.batches_per_epoch is not None:
             position = position.normalized(self.batches_per_epoch)
         epoch, index = position.as_tuple()
@@ -287,9 +301,14 @@ class Loader:
     ) -> Iterator[tuple[DataPosition, Any]]:
         while num_epochs is None or epoch < num_epochs:
             start = index
-            for batch in self._source.batches(epoch, start):
-                index += 1
-                yield DataPosition(epoch, index), batch
+            try:
+                for batch in self._source.batches(epoch, start):
+                    index += 1
+                    yield DataPosition(epoch, index), batch
+            except Exception as error:  # raised by the dataset or collate, not by the consumer
+                where = self._source.where(epoch, index)
+                add_note(error, f"functrain.data.Loader: while loading batch {index} of epoch {epoch}{where}")
+                raise
             if start == 0 and index == 0:
                 raise ValueError(f"Loader.iterate: epoch {epoch} produced no batches; is the dataset empty?")
             epoch, index = epoch + 1, 0

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sequent
 
 from functrain import random
 from functrain.data.collate import collate, empty_batch
+from functrain.data.notes import add_note
 from functrain.data.order import epoch_order, shard_batches
 from functrain.data.position import num_batches
 
@@ -41,6 +42,45 @@ def _worker_generator(key: torch.Tensor | None, epoch: int, start_index: int) ->
     # position keeps worker seeds reproducible and leaves the global RNG (seeded per step) untouched.
     base = key if key is not None else random.key(0)
     return random.generator(random.fold_in(random.fold_in(base, epoch), start_index))
+
+
+def shown_indices(indices: Sequence[int], limit: int = 8) -> str:
+    """``[3, 57, ...]``: at most ``limit`` dataset indices, for an error note."""
+    head = ", ".join(str(i) for i in indices[:limit])
+    return f"[{head}{', ...' if len(indices) > limit else ''}]"
+
+
+class NotingDataset:
+    """The dataset as the DataLoader reads it: an error raised by ``dataset[i]`` leaves with a note naming
+    ``i`` (its type, message and traceback unchanged). In a worker process the note travels in the text
+    that torch re-raises in the main process."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        try:
+            return self.dataset[index]
+        except Exception as error:
+            add_note(error, f"functrain.data: raised by dataset[{index}] (example index {index})")
+            raise
+
+
+class NotingBatchDataset(NotingDataset):
+    """:class:`NotingDataset` of a dataset that loads a batch at once (``__getitems__``, as HF datasets)."""
+
+    def __getitems__(self, indices: list[int]) -> Any:
+        try:
+            return self.dataset.__getitems__(indices)
+        except Exception as error:
+            add_note(
+                error,
+                f"functrain.data: raised by dataset.__getitems__ for example indices {shown_indices(indices)}",
+            )
+            raise
 
 
 class MapSource:
@@ -88,8 +128,9 @@ class MapSource:
         if trailing_empty:
             plan = plan[:-1]
         if plan:
+            noting = NotingBatchDataset if getattr(self.dataset, "__getitems__", None) else NotingDataset
             loader = DataLoader(
-                self.dataset,
+                noting(self.dataset),
                 batch_sampler=plan,
                 num_workers=self.num_workers,
                 collate_fn=self.collate_fn or collate,
@@ -99,6 +140,19 @@ class MapSource:
             yield from loader
         if trailing_empty:
             yield self._empty_batch()
+
+    def describe(self) -> str:
+        """The sizes that decide the number of batches, for error messages."""
+        ranks = f", world_size={self.world_size}" if self.world_size > 1 else ""
+        return (
+            f"the dataset has {len(self.dataset)} examples, batch_size={self.batch_size}, "
+            f"drop_last={self.drop_last}{ranks}"
+        )
+
+    def where(self, epoch: int, index: int) -> str:
+        """Which examples batch ``index`` of ``epoch`` holds, for an error note."""
+        plan = self.batch_indices(epoch)
+        return f"; its examples: dataset indices {shown_indices(plan[index])}" if index < len(plan) else ""
 
     def _empty_batch(self) -> Any:
         if self.collate_fn is not None:
@@ -134,6 +188,17 @@ class IterableSource:
         self.batches_per_epoch: int | None = None
         if hasattr(dataset, "__len__"):
             self.batches_per_epoch = num_batches(len(dataset), batch_size, drop_last)
+
+    def describe(self) -> str:
+        """The sizes that decide the number of batches, for error messages."""
+        args = self._loader_args
+        return (
+            f"the iterable dataset has {len(self.dataset)} examples, batch_size={args['batch_size']}, "
+            f"drop_last={args['drop_last']}"
+        )
+
+    def where(self, epoch: int, index: int) -> str:
+        return ""
 
     def batches(self, epoch: int, start_index: int) -> Iterator[Any]:
         if hasattr(self.dataset, "set_epoch"):
@@ -172,6 +237,17 @@ class DataLoaderSource:
             ResumeWarning,
             stacklevel=4,
         )
+
+    def describe(self) -> str:
+        """The sizes that decide the number of batches, for error messages."""
+        try:
+            size = f"the DataLoader's dataset has {len(self.loader.dataset)} examples"
+        except TypeError:
+            size = "the DataLoader has no batch"
+        return f"{size}, batch_size={self.loader.batch_size}, drop_last={self.loader.drop_last}"
+
+    def where(self, epoch: int, index: int) -> str:
+        return ""
 
     def batches(self, epoch: int, start_index: int) -> Iterator[Any]:
         for owner in _epoch_owners(self.loader):

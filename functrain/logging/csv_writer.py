@@ -23,7 +23,7 @@ import os
 from collections.abc import Mapping
 
 from functrain.logging._atomic import replace_text
-from functrain.logging.writer import FileWriter, check_scalars
+from functrain.logging.writer import FileWriter, check_scalars, naming_file
 
 __all__ = ["CSVWriter"]
 
@@ -75,16 +75,21 @@ class CSVWriter(FileWriter):
             with open(self.path, encoding="utf-8", newline="") as f:
                 rows = list(csv.DictReader(f))
             self._columns += new
-            self._rewrite(rows)
-        self._writer.writerow({"step": step, **scalars})
-        self._file.flush()
+            with naming_file(self.path):
+                self._rewrite(rows)
+        with naming_file(self.path):
+            self._writer.writerow({"step": step, **scalars})
+            self._file.flush()
 
     def flush(self) -> None:
         if self._opened and not self._file.closed:
-            self._file.flush()
-            os.fsync(self._file.fileno())
+            with naming_file(self.path):
+                self._file.flush()
+                os.fsync(self._file.fileno())
 
     def close(self) -> None:
         if self._opened and not self._file.closed:
-            self.flush()
-            self._file.close()
+            try:
+                self.flush()
+            finally:
+                self._file.close()

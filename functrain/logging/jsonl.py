@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from functrain.logging._atomic import replace_text
-from functrain.logging.writer import FileWriter, check_scalars
+from functrain.logging.writer import FileWriter, check_scalars, naming_file
 
 __all__ = ["JSONLWriter", "read_jsonl"]
 
@@ -73,15 +73,19 @@ class JSONLWriter(FileWriter):
     def write(self, step: int, scalars: Mapping[str, float]) -> None:
         self._ensure_open()
         record = {"step": step, **check_scalars(step, scalars)}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        with naming_file(self.path):
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
 
     def flush(self) -> None:
         if self._opened and not self._file.closed:
-            self._file.flush()
-            os.fsync(self._file.fileno())
+            with naming_file(self.path):
+                self._file.flush()
+                os.fsync(self._file.fileno())
 
     def close(self) -> None:
         if self._opened and not self._file.closed:
-            self.flush()
-            self._file.close()
+            try:
+                self.flush()
+            finally:
+                self._file.close()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from functrain.logging.writer import LazyWriter, check_scalars
+from functrain.logging.writer import LazyWriter, check_scalars, naming_file
 
 __all__ = ["TensorBoardWriter"]
 
@@ -36,18 +36,32 @@ class TensorBoardWriter(LazyWriter):
 
     def _open(self, resume_step: int | None) -> None:
         purge_step = None if resume_step is None else resume_step + 1
-        self._writer = self._summary_writer_cls(log_dir=self.log_dir, purge_step=purge_step)
+        with naming_file(self.log_dir):
+            self._writer = self._summary_writer_cls(log_dir=self.log_dir, purge_step=purge_step)
+
+    @property
+    def event_file(self) -> str:
+        """The event file being written (the log folder until the first write opens one)."""
+        writer = getattr(self, "_writer", None)
+        file_writer = writer.file_writer if writer is not None else None
+        event_writer = getattr(file_writer, "event_writer", None)
+        return getattr(event_writer, "_file_name", None) or self.log_dir
 
     def write(self, step: int, scalars: Mapping[str, float]) -> None:
         self._ensure_open()
-        for name, value in check_scalars(step, scalars).items():
-            self._writer.add_scalar(name, value, global_step=step)
+        # TensorBoard writes in a thread of its own and re-raises that thread's error (a full disk:
+        # ``[Errno 28] No space left on device``, no file named) at the next call: name the file.
+        with naming_file(self.event_file):
+            for name, value in check_scalars(step, scalars).items():
+                self._writer.add_scalar(name, value, global_step=step)
 
     def flush(self) -> None:
         if self._opened and not self._closed:
-            self._writer.flush()
+            with naming_file(self.event_file):
+                self._writer.flush()
 
     def close(self) -> None:
         if self._opened and not self._closed:
-            self._writer.close()
             self._closed = True
+            with naming_file(self.event_file):
+                self._writer.close()

@@ -15,14 +15,47 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from functrain.logging._atomic import replace_text
 
-__all__ = ["MultiWriter", "Writer", "WriterBase", "check_scalars"]
+__all__ = ["MultiWriter", "Writer", "WriterBase", "check_scalars", "naming_file"]
+
+
+@contextlib.contextmanager
+def naming_file(path: str | os.PathLike[str]) -> Iterator[None]:
+    """An ``OSError`` raised inside the block leaves naming ``path``, the file being written.
+
+    A write into a full disk or a read-only file raises ``OSError`` without a file name (``[Errno 28] No
+    space left on device``); the error, kept as it is, then ends with the file's name as ``open``'s errors
+    do (or, when its arguments leave no room for one, carries it in a note).
+
+    Example:
+        >>> import errno
+        >>> try:
+        ...     with naming_file("logs/metrics.jsonl"):
+        ...         raise OSError(errno.ENOSPC, "No space left on device")
+        ... except OSError as err:
+        ...     str(err)
+        "[Errno 28] No space left on device: 'logs/metrics.jsonl'"
+    """
+    try:
+        yield
+    except OSError as error:
+        name = os.fspath(path)
+        if error.filename is None and error.errno is not None:
+            error.filename = name
+        elif error.filename is None:
+            from functrain.data.notes import add_note  # here: functrain.logging imports no torch
+
+            note = f"functrain.logging: while writing {name}"
+            if note not in getattr(error, "__notes__", ()):  # the same error may surface at write and close
+                add_note(error, note)
+        raise
 
 
 def check_scalars(step: Any, scalars: Any) -> dict[str, int | float]:
@@ -102,14 +135,20 @@ class LazyWriter(WriterBase):
 
 
 class FileWriter(LazyWriter):
-    """A :class:`LazyWriter` of one file ``log_dir/filename`` (the folder is made at construction)."""
+    """A :class:`LazyWriter` of one file ``log_dir/filename``. Nothing is written, not even the folder,
+    before the first write: a run refused after its writers were made leaves its directory as it was."""
 
     def __init__(
         self, log_dir: str | os.PathLike[str], filename: str, resume_step: int | None = None
     ) -> None:
         self.path = Path(log_dir) / filename
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         super().__init__(resume_step)
+
+    def _ensure_open(self) -> None:
+        if not self._opened:
+            with naming_file(self.path):
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                super()._ensure_open()
 
 
 class RunIdWriter(FileWriter):
