@@ -376,8 +376,9 @@ def make_train_step(
         set_mode(True, freeze_batchnorm)
         first = split_batch(batch, accumulate)[0] if accumulate > 1 else batch
         buffers = {k: v.clone() for k, v in state.buffers.items()}  # BatchNorm writes into the clones
-        with torch.no_grad(), _autocast(_device_of(state.params), cast), _checkpoint_routing(model):
-            loss_fn(bind(state.params, buffers), first)
+        params = state.params if plan is None else plan.params_for_grad(state)  # ZeRO-3: gathered
+        with torch.no_grad(), _autocast(_device_of(params), cast), _checkpoint_routing(model):
+            loss_fn(bind(params, buffers), first)
 
     def train_step(state: Any, batch: Batch) -> tuple[Any, dict[str, torch.Tensor]]:
         _check_state_matches(state, expected)

@@ -145,7 +145,7 @@ def test_checkpoint_of_2_ranks_resumes_on_2_and_4_bitwise(saved: tuple[str, str]
 
 
 def test_fit_resumes_a_sharded_run_bitwise_and_the_plain_manager_refuses_it(saved: tuple[str, str]) -> None:
-    out_dir, directory = saved
+    out_dir, _ = saved
     for r in range(2):
         out = torch.load(os.path.join(out_dir, f"save_rank{r}.pt"), weights_only=False)
         straight = ft.checkpoint.restore(out["fit_straight"])
