@@ -488,6 +488,15 @@ def _metric_inputs(preds: list, targets: list, loss: torch.Tensor, batch: Batch)
 # ------------------------------------------------------------------------------------------ eval
 
 
+def _forward_params(state: Any) -> Any:
+    """The params a forward runs on: a ZeRO-3 state's shards all-gathered (one traced collective per
+    dtype; the layout is a static field of the state), anything else as it is."""
+    layout = getattr(state, "sharding", None)
+    if layout is not None and layout.sharding.shards_params:
+        return layout.gather(state.params, layout.sharding.param_dtype)
+    return state.params
+
+
 def make_eval_step(
     model: nn.Module | ApplyFn,
     loss_fn: LossFn,
@@ -516,8 +525,9 @@ def make_eval_step(
     def eval_step(state: Any, batch: Batch) -> dict[str, Any]:
         _check_state_matches(state, expected)
         set_mode(False)
-        with torch.no_grad(), _autocast(_device_of(state.params), cast):
-            loss, aux = _split_loss_output(loss_fn(bind(state.params, state.buffers), batch))
+        params = _forward_params(state)
+        with torch.no_grad(), _autocast(_device_of(params), cast):
+            loss, aux = _split_loss_output(loss_fn(bind(params, state.buffers), batch))
         loss = loss.float()
         preds = [aux["preds"]] if "preds" in aux else []
         targets = [aux["target"]] if "target" in aux else []
@@ -571,8 +581,9 @@ def make_predict_step(
 
     def predict_step(state: Any, batch: Batch) -> Any:
         set_mode(False)
-        with torch.no_grad(), _autocast(_device_of(state.params), cast):
-            return fwd(bind(state.params, state.buffers), batch)
+        params = _forward_params(state)
+        with torch.no_grad(), _autocast(_device_of(params), cast):
+            return fwd(bind(params, state.buffers), batch)
 
     predict_step.kind = "predict"  # type: ignore[attr-defined]
     predict_step.model = model  # type: ignore[attr-defined]

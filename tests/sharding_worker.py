@@ -179,6 +179,7 @@ def parity(out: dict) -> None:
         out[f"sizes/{level}"] = shard_sizes(state)
         out[f"state_bytes/{level}"] = ft.tree.num_bytes((state.params, state.opt_state))
     out["state_bytes/replicated"] = ft.tree.num_bytes((ref.params, ref.opt_state))
+    out["forward/params"] = forward_parity(state, ref, data[0])
     # accumulation: the 3-example step cannot be split in 2 on 4 ranks
     acc_data = batches("transformer", (8, 7, 8, 6) if world == 2 else (8, 16, 12))
     ref_a, ref_am = reference(Transformer, adamw, acc_data)
@@ -189,6 +190,21 @@ def parity(out: dict) -> None:
     out["lamb/params"] = compare(state, m, ref_l, ref_lm)
     guards(out, data, ref, ref_m)
     cnn(out)
+
+
+def forward_parity(state: Any, ref: Any, batch: Any) -> dict[str, float]:
+    """Evaluation and prediction on a ZeRO-3 state (params gathered inside the step) against the
+    one-process state, eager and compiled, on the whole batch."""
+    model = build(Transformer, on_meta=True)
+    out = {}
+    for compile in (False, True):
+        eval_step = ft.jit(ft.make_eval_step(model, LOSS), compile=compile)
+        predict_step = ft.jit(ft.make_predict_step(model), compile=compile)
+        out[f"eval_loss/compile={compile}"] = abs(
+            float(eval_step(state, batch)["loss"]) - float(eval_step(ref, batch)["loss"])
+        )
+        out[f"predict/compile={compile}"] = diff(predict_step(state, batch), predict_step(ref, batch))
+    return out
 
 
 def guards(out: dict, data: list, ref: Any, ref_m: list) -> None:
