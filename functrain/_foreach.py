@@ -34,6 +34,9 @@ class _Flags:
         # assignment that shadowed a class attribute would change it (one recompile).
         self.per_tensor = False  # the ops below run per tensor (inside functrain.ensemble's vmap)
         self.in_place = False  # the optimizer may write new params and moments into the old tensors
+        # A sharded step's norms: each leaf holds only this rank's rows, so ``norm`` hands its per-leaf
+        # local norms to this function, which returns the global ones (functrain.distributed.sharding).
+        self.norm_reduce: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
 
 
 FLAGS = _Flags()
@@ -98,7 +101,17 @@ div_ = _op("div", torch.div, inplace=True)
 lerp = _op("lerp", torch.lerp)
 maximum = _op("maximum", torch.maximum)
 mul = _op("mul", torch.mul)
-norm = _op("norm", _norm)
+_local_norm = _op("norm", _norm)
+
+
+def norm(tensors: list[torch.Tensor], *args: Any, **kwargs: Any) -> list[torch.Tensor]:
+    """Each tensor's norm; inside a sharded step (``FLAGS.norm_reduce``) the norm of the whole leaf, all
+    ranks' rows together. Every norm functrain's optimizers and ``tree.global_norm`` take goes through
+    here, so one hook makes clipping, ``grad_norm`` and LAMB's trust ratio global."""
+    out = _local_norm(tensors, *args, **kwargs)
+    return out if FLAGS.norm_reduce is None else FLAGS.norm_reduce(list(out))
+
+
 sign = _op("sign", torch.sign)
 sqrt = _op("sqrt", torch.sqrt)
 sqrt_ = _op("sqrt", torch.sqrt, inplace=True)

@@ -101,6 +101,8 @@ class TrainState:
         tx: the optimizer (static: not a leaf, not saved).
         tied: ``(alias, canonical)`` names of tied tensors (static), so exports recreate every key.
         non_persistent: buffer names that ``state_dict()`` omits (static).
+        sharding: a ``functrain.distributed.ShardLayout`` when params and/or optimizer state are sharded
+            over ranks (static; ``TrainState.create(..., sharding=...)``), else ``None``.
 
     The state is never mutated: ``replace(...)``, ``apply_gradients(...)`` and the step functions return
     new states. ``step`` and ``rng`` stay on the CPU whatever device the rest lives on, so the host reads
@@ -124,6 +126,7 @@ class TrainState:
     tx: GradientTransformation | None = tree.field(static=True, default=None)
     tied: tuple[tuple[str, str], ...] = tree.field(static=True, default=())
     non_persistent: tuple[str, ...] = tree.field(static=True, default=())
+    sharding: Any = tree.field(static=True, default=None)
 
     # ------------------------------------------------------------------------------------ creation
 
@@ -139,6 +142,7 @@ class TrainState:
         loss_scale: Any = None,
         metrics: Any = None,
         copy: bool = True,
+        sharding: Any = None,
     ) -> TrainState:
         """A fresh state from a module's current weights (copied, so the module is not touched, unless
         ``copy=False``).
@@ -154,6 +158,9 @@ class TrainState:
                 no second copy of the weights, which a large model needs. A pure step never writes to
                 them; a donating step (``jit(..., donate=True)``) then trains the module's own tensors
                 in place, as ``torch.optim`` does. A ``device`` or ``dtype`` change still copies.
+            sharding: ``functrain.distributed.fully_shard(...)``: rank 0's weights are broadcast leaf by
+                leaf (other ranks may hold the model on the meta device) and cut to this rank's rows
+                before the optimizer state is made, so that state is sharded from the start.
 
         Example:
             >>> state = TrainState.create(torch.nn.Linear(2, 2), ft.optim.sgd(0.1), device="cpu")
@@ -169,15 +176,20 @@ class TrainState:
                 "TrainState.create: tx must be a functrain.optim.GradientTransformation (for example "
                 f"functrain.optim.adamw(1e-3)), got {type(tx).__name__}"
             )
-        params, buffers, tied, non_persistent = model_variables(model, copy=copy)
-        if device is not None or dtype is not None:
+        params, buffers, tied, non_persistent = model_variables(model, copy=copy and sharding is None)
+        layout = None
+        if sharding is not None:
+            from functrain.distributed.sharding import shard_variables
+
+            params, buffers, layout = shard_variables(params, buffers, sharding, device=device, dtype=dtype)
+        elif device is not None or dtype is not None:
             params = _to(params, device, dtype)
             buffers = _to(buffers, device, dtype)
         return cls(
             step=torch.zeros((), dtype=torch.int64),
             params=params,
             buffers=buffers,
-            opt_state=tx.init(params),
+            opt_state=tx.init(params if layout is None else layout.local(params)),
             rng=random.key(seed),
             # on the params' device, as ``to`` puts them: a CPU loss scale would mix devices in the step
             loss_scale=_to(loss_scale, device, None),
@@ -185,6 +197,7 @@ class TrainState:
             tx=tx,
             tied=tied,
             non_persistent=non_persistent,
+            sharding=layout,
         )
 
     # ------------------------------------------------------------------------------------ updates
@@ -200,6 +213,10 @@ class TrainState:
         """
         if self.tx is None:
             raise ValueError("apply_gradients: this state has no optimizer (tx); create it with one")
+        if self.sharding is not None:  # full (already reduced) grads: this rank's rows are used
+            from functrain.distributed.sharded_step import apply_full_gradients
+
+            return apply_full_gradients(self, grads)
         params, opt_state = apply_gradients(self.tx, grads, self.opt_state, self.params)
         return self.replace(step=self.step + 1, params=params, opt_state=opt_state)
 
@@ -241,7 +258,7 @@ class TrainState:
             <All keys matched successfully>
         """
         out: dict[str, torch.Tensor] = {}
-        out.update(self.params)
+        out.update(self.params if self.sharding is None else self.sharding.full_params(self.params))
         out.update({k: v for k, v in self.buffers.items() if k not in self.non_persistent})
         for alias, canonical in self.tied:
             if canonical in out and alias not in self.non_persistent:
@@ -255,8 +272,8 @@ class TrainState:
 
     @property
     def num_params(self) -> int:
-        """Number of trainable parameter elements."""
-        return tree.num_elements(self.params)
+        """Number of trainable parameter elements (of the whole model when sharded)."""
+        return tree.num_elements(self.params) if self.sharding is None else self.sharding.num_params
 
     def __repr__(self) -> str:
         opt = type(self.opt_state).__name__ if self.opt_state is not None else "None"

@@ -410,6 +410,7 @@ def make_train_step(
     metrics: Any = None,
     freeze_batchnorm: bool = False,
     gradient_reducer: Callable[..., Any] | None = None,
+    sharding: Any = None,
 ) -> Callable[[Any, Batch], tuple[Any, dict[str, torch.Tensor]]]:
     """Build a pure ``train_step(state, batch) -> (new_state, metrics)``.
 
@@ -431,6 +432,9 @@ def make_train_step(
         gradient_reducer: data parallelism (``functrain.distributed.gradient_reducer()``): called as
             ``reducer(grads, loss, metrics, buffers, old_buffers, num_examples)`` after the backward and
             returns them combined over all ranks (example-weighted), inside the same compiled graph.
+        sharding: ``functrain.distributed.fully_shard(...)`` (ZeRO-1/2/3), the same request the state
+            was created with: gradients are reduce-scattered, the optimizer updates this rank's rows,
+            all norms are global (``functrain.distributed.sharded_step``). Replaces ``gradient_reducer``.
 
     A padded batch (a :class:`~functrain.data.MaskedBatch`, ``Loader(..., pad_last=True)``) keeps the
     compiled shape for a short last batch: its masked rows weigh zero in the loss, the gradient, the
@@ -456,6 +460,12 @@ def make_train_step(
         isinstance(m, nn.modules.batchnorm._BatchNorm)
         for m in (model.modules() if isinstance(model, nn.Module) else ())
     )
+    plan = None
+    if sharding is not None:
+        from functrain.distributed.sharded_step import ShardedStep
+
+        module = model if isinstance(model, nn.Module) else None
+        plan = ShardedStep(sharding, model=module, gradient_reducer=gradient_reducer, precision_dtype=cast)
 
     def loss_of(params: dict, buffers: dict, batch: Batch, scale: torch.Tensor | None, *masking: Any) -> Any:
         # Buffers are inputs of the differentiated function and cloned, so modules that update them in
@@ -477,8 +487,9 @@ def make_train_step(
         batch, _ = unmask(batch)
         first = split_batch(batch, accumulate)[0] if accumulate > 1 else batch
         buffers = {k: v.clone() for k, v in state.buffers.items()}  # BatchNorm writes into the clones
-        with torch.no_grad(), _autocast(_device_of(state.params), cast), _checkpoint_routing(model):
-            loss_fn(bind(state.params, buffers), first)
+        params = state.params if plan is None else plan.params_for_grad(state)  # ZeRO-3: gathered
+        with torch.no_grad(), _autocast(_device_of(params), cast), _checkpoint_routing(model):
+            loss_fn(bind(params, buffers), first)
 
     def train_step(state: Any, batch: Batch, *, donated: bool = False) -> tuple[Any, dict[str, torch.Tensor]]:
         _check_state_matches(state, expected)
@@ -496,10 +507,17 @@ def make_train_step(
                 "BatchNorm in training mode: the padded rows would enter the batch statistics. Use "
                 "drop_last=True, or freeze_batchnorm=True"
             )
+        if mask is not None and plan is not None:
+            raise ValueError(
+                "a padded training batch (Loader(pad_last=True) / pad_train_batches) in a sharded step: not "
+                "supported yet (the reduce-scatter weights each rank by its batch's rows). Use "
+                "drop_last=True for training; evaluation pads as usual"
+            )
         micro = split_batch(batch, accumulate) if accumulate > 1 else [batch]
         masking = _masking(batch, mask, accumulate)
         total = sum(num_examples(b) for b in micro) if accumulate > 1 and mask is None else 1
         buffers = state.buffers
+        params_in = state.params if plan is None else plan.params_for_grad(state)
         grads: Any = None
         loss = torch.zeros((), device=_device_of(state.params))
         extra: dict[str, torch.Tensor] = {}
@@ -507,9 +525,11 @@ def make_train_step(
         with _checkpoint_routing(model):
             for i, mb in enumerate(micro):
                 weight = num_examples(mb) / total if accumulate > 1 and mask is None else 1.0
-                g, (_, (mb_loss, aux, buffers)) = grad_fn(state.params, buffers, mb, scale, *masking[i])
+                g, (_, (mb_loss, aux, buffers)) = grad_fn(params_in, buffers, mb, scale, *masking[i])
                 if weight != 1.0:
                     g = tree.map(lambda x, w=weight: x * w, g)
+                if plan is not None:
+                    g = plan.micro_grads(state, g, num_examples(batch))
                 grads = g if grads is None else tree.map(torch.add, grads, g)
                 loss = loss + mb_loss * weight
                 for name, value in dict(aux.get("metrics", {})).items():
@@ -519,7 +539,9 @@ def make_train_step(
                 if "target" in aux:
                     targets.append(aux["target"])
 
-        if gradient_reducer is not None:
+        if plan is not None:
+            grads, loss, extra, buffers = plan.reduce(state, grads, loss, extra, buffers, num_examples(batch))
+        elif gradient_reducer is not None:
             grads, loss, extra, buffers = gradient_reducer(
                 grads, loss, extra, buffers, state.buffers, _real_examples(batch, mask)
             )
@@ -532,8 +554,13 @@ def make_train_step(
         # A donated state (``jit(..., donate=True)`` passes donated=True) is overwritten anyway: unless an
         # overflow may need the old values below, the optimizer can write into its tensors (Adam's fused
         # kernel does; others return new tensors).
-        with foreach.flag("in_place", donated and finite is None):
-            params, opt_state = apply_gradients(state.tx, grads, state.opt_state, state.params)
+        norms = contextlib.nullcontext() if plan is None else plan.global_norms()
+        with foreach.flag("in_place", donated and finite is None), norms:
+            opt_params = state.params if plan is None else plan.local_params(state)
+            params, opt_state = apply_gradients(state.tx, grads, state.opt_state, opt_params)
+            grad_norm = tree.global_norm(grads)
+        if plan is not None:
+            params = plan.params_at_rest(state, params)
         if finite is not None:
             # An overflow skips the whole update: params and optimizer state stay as they were.
             params = tree.map(lambda new, old: torch.where(finite, new, old), params, state.params)
@@ -543,7 +570,7 @@ def make_train_step(
         if metrics is not None and metric_state is not None:
             metric_state = metrics.update(metric_state, **_metric_inputs(preds, targets, loss, batch, mask))
 
-        out = {"loss": loss, "grad_norm": tree.global_norm(grads), **extra}
+        out = {"loss": loss, "grad_norm": grad_norm, **extra}
         if loss_scale is not None:
             out["loss_scale"] = loss_scale.scale
         new_state = state.replace(
@@ -560,11 +587,13 @@ def make_train_step(
         kind="train",
         model=model,
         metrics=metrics,
-        gradient_reducer=gradient_reducer,
+        # a sharded step reduces over its ranks too (what fit checks before it trains on several processes)
+        gradient_reducer=gradient_reducer if plan is None else plan.reducer,
         settle=settle if isinstance(model, nn.Module) else None,
+        sharding=sharding,
         masked_batches=True,
     )
-    return attach_spec(train_step, spec, "metrics", "gradient_reducer")
+    return attach_spec(train_step, spec, "metrics", "gradient_reducer", "sharding")
 
 
 def _loss_over_real_rows(
@@ -626,6 +655,15 @@ def _metric_inputs(
 # ------------------------------------------------------------------------------------------ eval
 
 
+def _forward_params(state: Any) -> Any:
+    """The params a forward runs on: a ZeRO-3 state's shards all-gathered (one traced collective per
+    dtype; the layout is a static field of the state), anything else as it is."""
+    layout = getattr(state, "sharding", None)
+    if layout is not None and layout.sharding.shards_params:
+        return layout.gather(state.params, layout.sharding.param_dtype)
+    return state.params
+
+
 def make_eval_step(
     model: nn.Module | ApplyFn,
     loss_fn: LossFn,
@@ -657,8 +695,9 @@ def make_eval_step(
         _check_state_matches(state, expected)
         set_mode(False)
         batch, mask = unmask(batch)  # a padded batch (functrain.data.padding): its real rows count
-        with torch.no_grad(), _autocast(_device_of(state.params), cast):
-            call = bind(state.params, state.buffers)
+        params = _forward_params(state)
+        with torch.no_grad(), _autocast(_device_of(params), cast):
+            call = bind(params, state.buffers)
             loss, aux = _loss_over_real_rows(loss_fn, call, batch, *_masking(batch, mask, 1)[0])
         loss = loss.float()
         preds = [aux["preds"]] if "preds" in aux else []
@@ -713,7 +752,8 @@ def make_predict_step(
     def predict_step(state: Any, batch: Batch) -> Any:
         set_mode(False)
         batch, _ = unmask(batch)  # a padded batch: the loop cuts the padded rows off the outputs
-        with torch.no_grad(), _autocast(_device_of(state.params), cast):
-            return fwd(bind(state.params, state.buffers), batch)
+        params = _forward_params(state)
+        with torch.no_grad(), _autocast(_device_of(params), cast):
+            return fwd(bind(params, state.buffers), batch)
 
     return attach_spec(predict_step, StepSpec(kind="predict", model=model, masked_batches=True))

@@ -28,6 +28,7 @@ def test_every_example_is_listed():
         "02_fit.py",
         "03_trainer.py",
         "04_finetune.py",
+        "06_sharded.py",
         "07_hf_finetune.py",
     ]
 
@@ -70,3 +71,26 @@ def test_notebook_executes_headless(tmp_path: Path, monkeypatch):
         if out.get("output_type") == "display_data" and "image/png" in out.get("data", {})
     ]
     assert len(shown) == 1
+
+
+@pytest.mark.slow
+def test_sharded_example_under_torchrun_halves_the_state_per_rank(tmp_path: Path):
+    import re
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**small_env(tmp_path), "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(EXAMPLES.parent), env.get("PYTHONPATH", "")])
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}"]
+    out = subprocess.run(
+        [*args, str(EXAMPLES / "06_sharded.py"), "--epochs", "2"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    held = re.findall(r"rank (\d)/2 \(params\): holds (\d+) kB.*?would hold (\d+) kB", out.stdout)
+    assert sorted(r for r, _, _ in held) == ["0", "1"], out.stdout
+    for _, mine, whole in held:
+        assert int(mine) <= 0.55 * int(whole), out.stdout
+    assert "accuracy" in out.stdout

@@ -222,6 +222,7 @@ class CheckpointManager:
             step = int(step.item())
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointError(f"step={step!r} must be a non-negative int")
+        _refuse_sharded(state)
         if not self.is_writer:
             return
         node, tensors = structure.encode(state)
@@ -356,3 +357,17 @@ class CheckpointManager:
         if step is None:
             raise CheckpointError(f"no checkpoint to restore as {which!r} in {self.directory}")
         return checkpoint_file.restore(self.path(step), target=target)
+
+
+def _refuse_sharded(state: Any) -> None:
+    """One writer would keep its own shards alone: a state sharded over ranks needs the sharded manager."""
+    from functrain.checkpoint.sharded import _layouts
+
+    for _, sharded in _layouts(state):
+        world = sharded.sharding.sharding.world_size
+        if world > 1:
+            raise CheckpointError(
+                f"this state is sharded over {world} ranks: CheckpointManager writes one process's file, "
+                "which would hold that rank's shards only; use "
+                "functrain.checkpoint.sharded.ShardedCheckpointManager(directory, sharding)"
+            )

@@ -38,7 +38,10 @@ What each piece guarantees:
   global example exactly when the global batch ``batch_size * world_size`` is unchanged (e.g. 2 ranks
   of 16 -> 1 rank of 32); with another global batch ``fit`` refuses the checkpoint (:class:`LayoutMismatchError`).
 
-Sharded parameters (FSDP2) are not implemented yet: see ``DESIGN_FSDP.md`` in this package.
+- **Sharding (ZeRO-1/2/3)**: :func:`fully_shard` passed to ``TrainState.create(..., sharding=)`` and
+  ``make_train_step(..., sharding=)`` keeps 1/world of every param and optimizer moment per rank (see
+  :mod:`functrain.distributed.sharding` and ``DESIGN_FSDP.md``); sharded checkpoints:
+  :mod:`functrain.checkpoint.sharded`.
 """
 
 from functrain.distributed.env import (
@@ -57,6 +60,7 @@ from functrain.distributed.gradients import GradientReducer, gradient_reducer
 from functrain.distributed.layout import LayoutMismatchError, check_resume, layout, loader_layout
 from functrain.distributed.reduce import all_reduce_metric_state, all_reduce_tree
 from functrain.distributed.replicate import NotReplicatedError, assert_replicated, replicate
+from functrain.distributed.sharding import Sharding, ShardLayout, fully_shard
 
 __all__ = [
     "DistributedEnv",
@@ -64,11 +68,14 @@ __all__ = [
     "GradientReducer",
     "LayoutMismatchError",
     "NotReplicatedError",
+    "ShardLayout",
+    "Sharding",
     "all_reduce_metric_state",
     "all_reduce_tree",
     "assert_replicated",
     "barrier",
     "check_resume",
+    "fully_shard",
     "gradient_reducer",
     "initialize",
     "is_distributed",

@@ -101,8 +101,22 @@ class GradientReducer:
         old_buffers: Mapping[str, torch.Tensor],
         num_examples: int | torch.Tensor,
     ) -> tuple[Any, torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        return self.combine(grads, loss, metrics, buffers, old_buffers, num_examples)[:4]
+
+    def combine(
+        self,
+        grads: Any,
+        loss: torch.Tensor,
+        metrics: Mapping[str, torch.Tensor],
+        buffers: Mapping[str, torch.Tensor],
+        old_buffers: Mapping[str, torch.Tensor],
+        num_examples: int,
+    ) -> tuple[Any, torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
+        """As calling the reducer, plus the global example count (a 0-d float32 tensor, at least 1), by
+        which a sharded step divides its reduce-scattered ``grad * n`` sums."""
         if not self.active:
-            return grads, loss, dict(metrics), dict(buffers)
+            n = torch.scalar_tensor(max(num_examples, 1), dtype=torch.float32, device=loss.device)
+            return grads, loss, dict(metrics), dict(buffers), n
         import torch.distributed._functional_collectives as funcol
 
         device = loss.device
@@ -148,7 +162,7 @@ class GradientReducer:
                 maxed = funcol.all_reduce(stacked, "max", self.group)
                 for i, k in enumerate(counters):
                     new_buffers[k] = maxed[i].reshape(buffers[k].shape).to(buffers[k].dtype)
-        return tree.unflatten(grad_spec, new_grads), new_loss, new_metrics, new_buffers
+        return tree.unflatten(grad_spec, new_grads), new_loss, new_metrics, new_buffers, total
 
     def _integer_counter(self, name: str, value: torch.Tensor) -> bool:
         # One-element integer buffers are counters (num_batches_tracked); larger ones (index tables)

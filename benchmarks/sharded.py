@@ -1,0 +1,219 @@
+"""Sharded training: per-rank state bytes, the step's peak memory and throughput, against replicated data
+parallelism and PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard`` + ``torch.optim.AdamW``).
+
+    python benchmarks/sharded.py              # 2 ranks (torchrun, gloo on CPU), 8 x Linear(1024), AdamW
+    python benchmarks/sharded.py --ranks 4 --steps 20
+
+Each configuration is its own torchrun launch (cores split evenly between the ranks). Per rank:
+
+- ``state MB``: params and optimizer state this rank holds (local shards for the sharded runs);
+- ``step peak MB``: the peak resident memory during the timed steps above the resident memory before them
+  (``VmHWM`` reset through ``/proc/self/clear_refs`` on Linux; CUDA: ``torch.cuda.max_memory_allocated``);
+- ``samples/s``: global examples per second, and its ratio to FSDP2 measured in the same run.
+
+functrain's sharded step gathers the params outside the backward (see functrain/distributed/DESIGN_FSDP.md):
+its peak holds the full weights and gradients, where FSDP2 frees each block's gathered weights after use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from torch import nn
+
+HERE = os.path.abspath(__file__)
+WIDTH, BLOCKS, BATCH = 1024, 8, 64  # per rank
+CONFIGS = ("replicated", "zero1", "zero3", "fsdp2")
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(BLOCKS):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(WIDTH, 10))
+
+
+def _rss_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    with open("/proc/self/clear_refs", "w") as f:  # resets VmHWM to the current RSS
+        f.write("5")
+
+
+def _peak_mb(before: float) -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20 - before
+    return _rss_mb("VmHWM") - before
+
+
+def _now_mb() -> float:
+    return torch.cuda.memory_allocated() / 2**20 if torch.cuda.is_available() else _rss_mb("VmRSS")
+
+
+def _local_bytes(tensors: list[torch.Tensor]) -> int:
+    out = 0
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        out += t.numel() * t.element_size()
+    return out
+
+
+def worker(args: argparse.Namespace) -> None:
+    import functrain as ft
+    from functrain import distributed
+
+    with distributed.initialize() as env:
+        torch.set_num_threads(max(1, args.threads))
+        g = torch.Generator().manual_seed(env.rank)
+        batch = (torch.randn(BATCH, WIDTH, generator=g), torch.randint(0, 10, (BATCH,), generator=g))
+        batch = ft.data.to_device(batch, env.device)
+        model = _model().to(env.device)
+        if args.config == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in model:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer)
+            fully_shard(model)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+            def run() -> torch.Tensor:
+                loss = nn.functional.cross_entropy(model(batch[0]), batch[1])
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                return loss
+
+            def held() -> int:
+                moments = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+                return _local_bytes(list(model.parameters()) + moments)
+        else:
+            tx = ft.optim.adamw(1e-3, weight_decay=0.1)
+            loss_fn = ft.supervised_loss(nn.functional.cross_entropy)
+            if args.config == "replicated":
+                state = distributed.replicate(ft.TrainState.create(model, tx, seed=0), device=env.device)
+                raw = ft.make_train_step(
+                    model, loss_fn, gradient_reducer=distributed.gradient_reducer(model=model)
+                )
+            else:
+                sharding = distributed.fully_shard(level="optimizer" if args.config == "zero1" else "params")
+                state = ft.TrainState.create(model, tx, seed=0, sharding=sharding, device=env.device)
+                raw = ft.make_train_step(model, loss_fn, sharding=sharding)
+            step = ft.jit(raw, compile=args.compile)
+            box = [state]
+
+            def run() -> torch.Tensor:
+                box[0], metrics = step(box[0], batch)
+                return metrics["loss"]
+
+            def held() -> int:
+                return _local_bytes(ft.tree.leaves((box[0].params, box[0].opt_state)))
+
+            del model  # functrain keeps the weights in the state only
+        for _ in range(args.warmup):
+            float(run())
+        distributed.barrier()
+        before = _now_mb()
+        _reset_peak()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            loss = run()
+        float(loss)
+        seconds = time.perf_counter() - start
+        peak = _peak_mb(before)
+        row = {
+            "config": args.config,
+            "rank": env.rank,
+            "world": env.world_size,
+            "state_mb": held() / 2**20,
+            "step_peak_mb": peak,
+            "samples_per_s": args.steps * BATCH * env.world_size / seconds,
+        }
+        with open(os.path.join(args.out, f"{args.config}_rank{env.rank}.json"), "w") as f:
+            json.dump(row, f)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(config: str, args: argparse.Namespace, out: str) -> list[dict]:
+    threads = max(1, (os.cpu_count() or 2) // args.ranks)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ranks}", f"--master_port={_free_port()}",
+        HERE, "--worker", "--config", config, "--out", out, "--threads", str(threads),
+        "--steps", str(args.steps), "--warmup", str(args.warmup), *(["--compile"] if args.compile else []),
+    ]  # fmt: skip
+    # large blocks mmapped and unmapped when freed (a fixed glibc threshold: no growing free-list cache),
+    # so the resident memory follows the live tensors and its peak is the step's
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MALLOC_MMAP_THRESHOLD_": "65536"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(HERE)), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"{config} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+        return []
+    rows = []
+    for r in range(args.ranks):
+        with open(os.path.join(out, f"{config}_rank{r}.json")) as f:
+            rows.append(json.load(f))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--config", choices=CONFIGS, default="zero3")
+    parser.add_argument("--out", default="")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--compile", action="store_true")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as out:
+        for config in CONFIGS:
+            rows = _launch(config, args, out)
+            if rows:  # the worst rank
+                results[config] = {
+                    "state_mb": max(r["state_mb"] for r in rows),
+                    "step_peak_mb": max(r["step_peak_mb"] for r in rows),
+                    "samples_per_s": rows[0]["samples_per_s"],
+                }
+    fsdp = results.get("fsdp2")
+    mode = "compiled" if args.compile else "eager"
+    print(f"\n{args.ranks} ranks, {BLOCKS} x Linear({WIDTH}) + head, AdamW, batch {BATCH}/rank, {mode}:\n")
+    print("| config | state MB/rank | step peak MB/rank | samples/s | vs FSDP2 |")
+    print("|---|---:|---:|---:|---:|")
+    for config, r in results.items():
+        ratio = f"{r['samples_per_s'] / fsdp['samples_per_s']:.2f}x" if fsdp else "-"
+        print(
+            f"| {config} | {r['state_mb']:.1f} | {r['step_peak_mb']:.1f} | {r['samples_per_s']:.0f} | {ratio} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

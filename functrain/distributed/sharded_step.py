@@ -1,0 +1,159 @@
+"""What ``make_train_step(..., sharding=...)`` does differently from a replicated step, in a few hooks.
+
+Per step, inside the one compiled graph (all collectives are functional, traced by ``torch.compile``):
+
+1. ZeRO-3: all-gather the param shards (in ``param_dtype`` if set) *outside* the differentiated
+   function; ``grad_and_value`` then runs over the full params, exactly as without sharding.
+2. Reduce-scatter ``grad * n_r`` (``n_r``: this rank's examples; an empty batch contributes zeros) in the
+   params' own dtype: after every micro-batch (ZeRO-2/3) or once per step (ZeRO-1). One all-reduce
+   carries loss, metrics, BatchNorm buffer updates and ``n_r``; the gradient shard is divided by the
+   global ``N``: the step equals one process on the union of the ranks' batches.
+3. The optimizer runs on this rank's rows (``ShardLayout.local``) with every norm global
+   (``functrain._foreach.FLAGS.norm_reduce``: clipping, ``grad_norm`` and LAMB's trust ratio all-reduce
+   the squares of the local norms); ZeRO-1/2 all-gather the new rows into the replicated params.
+
+The full params are alive during the whole step (forward and backward): params and optimizer state are
+sharded at rest, activations are not (see ``DESIGN_FSDP.md``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from functrain import _foreach as foreach
+from functrain.distributed.gradients import GradientReducer
+from functrain.distributed.sharding import Sharding, ShardLayout, local_rows
+
+__all__ = ["ShardedStep", "apply_full_gradients"]
+
+
+def _norm_reducer(sharding: Sharding) -> Callable[[list[torch.Tensor]], list[torch.Tensor]] | None:
+    if sharding.world_size == 1:
+        return None
+    layout = ShardLayout(sharding, ())
+
+    def reduce(norms: list[torch.Tensor]) -> list[torch.Tensor]:
+        return layout.global_norms(norms)
+
+    return reduce
+
+
+class ShardedStep:
+    """The sharded step's hooks; made once by ``make_train_step`` (not part of the public API).
+
+    Example:
+        >>> from functrain import distributed
+        >>> plan = ShardedStep(distributed.fully_shard(level="grads"), model=None)
+        >>> plan.sharding.zero_stage
+        2
+    """
+
+    def __init__(
+        self,
+        sharding: Sharding,
+        *,
+        model: nn.Module | None,
+        gradient_reducer: Any = None,
+        precision_dtype: torch.dtype | None = None,
+    ) -> None:
+        if not isinstance(sharding, Sharding):
+            raise TypeError(
+                "make_train_step: sharding must come from functrain.distributed.fully_shard(...), got "
+                f"{type(sharding).__name__}"
+            )
+        if gradient_reducer is not None:
+            raise ValueError(
+                "make_train_step: pass sharding= or gradient_reducer=, not both (a sharded step reduces "
+                "its own gradients, loss, metrics and buffers)"
+            )
+        if precision_dtype == torch.float16:
+            raise ValueError(
+                "make_train_step: precision='fp16' is not supported with sharding (its overflow check "
+                "would be per rank); use precision='bf16' or fully_shard(param_dtype=torch.bfloat16)"
+            )
+        self.sharding = sharding
+        group = sharding.group if sharding.world_size > 1 else None
+        self.reducer = GradientReducer(buffers=sharding.buffers, model=model, group=group)
+        # One function object for the plan's life: dynamo guards on FLAGS' attributes by identity.
+        self._norm_reduce = _norm_reducer(sharding)
+
+    def layout(self, state: Any) -> ShardLayout:
+        """The state's layout, checked against this step's request."""
+        layout = getattr(state, "sharding", None)
+        if not isinstance(layout, ShardLayout):
+            raise ValueError(
+                "make_train_step(sharding=...) got a state that is not sharded: create it with "
+                "TrainState.create(model, tx, sharding=<the same fully_shard(...)>)"
+            )
+        s, mine = layout.sharding, self.sharding
+        if s is not mine and (s.level, s.rank, s.world_size) != (mine.level, mine.rank, mine.world_size):
+            raise ValueError(
+                f"the state is sharded as {s!r} but the step as {mine!r}: pass the same fully_shard(...) "
+                "to TrainState.create and make_train_step"
+            )
+        return layout
+
+    def params_for_grad(self, state: Any) -> dict[str, torch.Tensor]:
+        """The full params the forward and backward run on (gathered for ZeRO-3)."""
+        layout, dtype = self.layout(state), self.sharding.param_dtype
+        if self.sharding.shards_params:
+            return layout.gather(state.params, dtype)
+        return dict(state.params) if dtype is None else {k: v.to(dtype) for k, v in state.params.items()}
+
+    def _scatter(self, state: Any, grads: Mapping[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
+        master = {k: v.dtype for k, v in state.params.items()}
+        weighted = {
+            k: g.to(master[k]) * n if n > 0 else torch.zeros_like(g, dtype=master[k])
+            for k, g in grads.items()
+        }
+        return self.layout(state).reduce_scatter(weighted, master)
+
+    def micro_grads(self, state: Any, grads: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
+        """A micro-batch's gradients: reduce-scattered at once (ZeRO-2/3) or kept whole (ZeRO-1)."""
+        return grads if self.sharding.level == "optimizer" else self._scatter(state, grads, n)
+
+    def reduce(
+        self,
+        state: Any,
+        grads: dict[str, torch.Tensor],
+        loss: torch.Tensor,
+        metrics: Mapping[str, torch.Tensor],
+        buffers: Mapping[str, torch.Tensor],
+        n: int,
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """This rank's rows of the global-mean gradient, and the global loss, metrics and buffers."""
+        if self.sharding.level == "optimizer":
+            grads = self._scatter(state, grads, n)
+        _, loss, metrics, buffers, total = self.reducer.combine({}, loss, metrics, buffers, state.buffers, n)
+        return {k: g / total.to(g.dtype) for k, g in grads.items()}, loss, metrics, buffers
+
+    def local_params(self, state: Any) -> dict[str, torch.Tensor]:
+        """The rows the optimizer updates."""
+        return self.layout(state).local(state.params)
+
+    def params_at_rest(self, state: Any, local: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The updated rows as the state keeps its params."""
+        return self.layout(state).at_rest(local)
+
+    @contextlib.contextmanager
+    def global_norms(self) -> Iterator[None]:
+        """Within this block every ``functrain._foreach.norm`` is the norm over all ranks' rows."""
+        with foreach.flag("norm_reduce", self._norm_reduce):
+            yield
+
+
+def apply_full_gradients(state: Any, grads: Mapping[str, torch.Tensor]) -> Any:
+    """``state.apply_gradients(grads)`` for a sharded state: ``grads`` are whole and already reduced
+    (the same on every rank); this rank's rows update its shards."""
+    from functrain.optim import apply_gradients
+
+    layout: ShardLayout = state.sharding
+    local_grads = {k: local_rows(g, layout.sharding) for k, g in grads.items()}
+    with foreach.flag("norm_reduce", _norm_reducer(layout.sharding)):
+        local, opt_state = apply_gradients(state.tx, local_grads, state.opt_state, layout.local(state.params))
+    return state.replace(step=state.step + 1, params=layout.at_rest(local), opt_state=opt_state)

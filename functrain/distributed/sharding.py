@@ -1,0 +1,375 @@
+"""Sharded training state (ZeRO-1/2/3): which rows of every parameter a rank keeps, and the collectives.
+
+A :class:`Sharding` is the request (``fully_shard(group, level=...)``); ``TrainState.create(model, tx,
+sharding=...)`` turns it into a :class:`ShardLayout` (the request plus every parameter's global shape),
+kept in the state as a static field, so the step, ``state_dict()`` and the checkpoint writer all know
+which leaves are shards.
+
+A shard is a plain tensor: the leaf padded with zero rows on dim 0 to a multiple of the world size
+(a 0-d leaf counts as one row), and rank ``r`` keeps rows ``[r * k, (r + 1) * k)`` (as ``torch.chunk``
+and FSDP2 split). The optimizer is initialised on the local shards, so its moments are shards too and the
+full optimizer state never exists. Padding rows are zero and stay zero (their gradients are zero), so
+local sums of squares add up to the global norm.
+
+Levels (one field, as DeepSpeed's ZeRO stages):
+
+- ``"optimizer"`` (ZeRO-1): params replicated, optimizer state sharded; each step's gradients are
+  accumulated whole over micro-batches and reduce-scattered once, the update runs on the local rows and
+  the new params are all-gathered.
+- ``"grads"`` (ZeRO-2): as ZeRO-1, but every micro-batch's gradients are reduce-scattered at once, so the
+  accumulated gradient is a shard. With ``accumulate=1`` the two are the same step.
+- ``"params"`` (ZeRO-3): params sharded at rest too; the step all-gathers them, runs forward and backward
+  on the full params, reduce-scatters the gradients and updates the local rows.
+
+Example:
+    >>> import torch, functrain as ft
+    >>> from functrain import distributed
+    >>> sharding = distributed.fully_shard(level="params")  # no process group: one rank holds everything
+    >>> state = ft.TrainState.create(torch.nn.Linear(3, 2), ft.optim.adamw(1e-3), sharding=sharding)
+    >>> state.params["weight"].shape, state.sharding.global_shape("weight")
+    (torch.Size([2, 3]), (2, 3))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from functrain.distributed.env import is_distributed
+
+__all__ = ["LEVELS", "Level", "ShardLayout", "Sharding", "fully_shard"]
+
+Level = Literal["optimizer", "grads", "params"]
+LEVELS: tuple[str, ...] = ("optimizer", "grads", "params")
+_ZERO = {"optimizer": 1, "grads": 2, "params": 3}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Sharding:
+    """What to shard, over which ranks. Made by :func:`fully_shard`; compared by identity.
+
+    Example:
+        >>> fully_shard(level="optimizer").zero_stage
+        1
+    """
+
+    level: Level
+    group: Any  # a ProcessGroup, or None for one process
+    rank: int
+    world_size: int
+    buffers: Literal["mean", "local"] = "mean"
+    param_dtype: torch.dtype | None = None
+
+    @property
+    def zero_stage(self) -> int:
+        """1, 2 or 3, as DeepSpeed numbers the levels."""
+        return _ZERO[self.level]
+
+    @property
+    def shards_params(self) -> bool:
+        """True when params are sharded at rest (ZeRO-3)."""
+        return self.level == "params"
+
+    def rows(self, shape: tuple[int, ...]) -> int:
+        """Rows of a leaf of global ``shape`` on each rank (a 0-d leaf is one row)."""
+        return -(-(shape[0] if shape else 1) // self.world_size)
+
+    def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of each rank's shard of a leaf of global ``shape``."""
+        return (self.rows(shape), *shape[1:])
+
+    def __repr__(self) -> str:
+        return f"Sharding(level={self.level!r}, rank={self.rank}, world_size={self.world_size})"
+
+
+def fully_shard(
+    group: Any = None,
+    *,
+    level: Level = "params",
+    buffers: Literal["mean", "local"] = "mean",
+    param_dtype: torch.dtype | None = None,
+) -> Sharding:
+    """Request sharded training over ``group`` (a ProcessGroup or a 1-D DeviceMesh; default: every rank).
+
+    Pass the result to ``TrainState.create(..., sharding=)`` and ``make_train_step(..., sharding=)``.
+
+    Args:
+        group: the ranks that share the state (default: the whole ``torchrun`` world, or one process).
+        level: ``"optimizer"`` (ZeRO-1), ``"grads"`` (ZeRO-2) or ``"params"`` (ZeRO-3); see the module doc.
+        buffers: BatchNorm statistics, replicated on every rank: ``"mean"`` averages each step's update
+            over ranks (weighted by examples), ``"local"`` keeps each rank's own, as DDP does.
+        param_dtype: gather (and compute with) params in this dtype, e.g. ``torch.bfloat16``; gradients
+            are reduced, and the optimizer runs, in the params' own dtype (FSDP2's mixed precision).
+
+    Example:
+        >>> sharding = fully_shard(level="grads", param_dtype=torch.bfloat16)
+        >>> sharding.zero_stage, sharding.world_size
+        (2, 1)
+    """
+    if level not in LEVELS:
+        raise ValueError(f"fully_shard: level must be one of {LEVELS} (ZeRO-1/2/3), got {level!r}")
+    if buffers not in ("mean", "local"):
+        raise ValueError(f"fully_shard: buffers must be 'mean' or 'local', got {buffers!r}")
+    if param_dtype is not None and not param_dtype.is_floating_point:
+        raise ValueError(f"fully_shard: param_dtype must be a floating dtype, got {param_dtype}")
+    mesh_type = getattr(getattr(dist, "device_mesh", None), "DeviceMesh", None)
+    if mesh_type is not None and isinstance(group, mesh_type):
+        if group.ndim != 1:
+            raise ValueError(f"fully_shard: the DeviceMesh must be 1-D, got {group.ndim} dimensions")
+        group = group.get_group()
+    if group is None and is_distributed():
+        group = dist.group.WORLD
+    if group is None:
+        return Sharding(level, None, 0, 1, buffers, param_dtype)
+    return Sharding(level, group, dist.get_rank(group), dist.get_world_size(group), buffers, param_dtype)
+
+
+# ----------------------------------------------------------------------------------------- row blocks
+
+
+def pad_rows(x: torch.Tensor, world_size: int) -> torch.Tensor:
+    """``x`` (a 0-d leaf as one row) with zero rows appended on dim 0 up to a multiple of ``world_size``."""
+    x = x.reshape(1) if x.ndim == 0 else x
+    extra = -x.shape[0] % world_size
+    if extra == 0:
+        return x
+    return torch.cat([x, x.new_zeros((extra, *x.shape[1:]))])
+
+
+def local_rows(x: torch.Tensor, sharding: Sharding) -> torch.Tensor:
+    """This rank's block of rows of the full leaf ``x`` (a view where no padding was needed)."""
+    padded = pad_rows(x, sharding.world_size)
+    return padded.reshape(sharding.world_size, -1, *padded.shape[1:])[sharding.rank]
+
+
+def _waited(t: torch.Tensor) -> torch.Tensor:
+    # Eagerly a functional collective returns an AsyncCollectiveTensor; use the plain tensor (the fused
+    # Adam kernel check, for one, refuses the wrapper). Under torch.compile the wait is traced.
+    import torch.distributed._functional_collectives as funcol
+
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+def _by_dtype(
+    names: list[str], dtype_of: Callable[[str], torch.dtype]
+) -> Iterator[tuple[torch.dtype, list[str]]]:
+    """Names grouped by dtype (first-seen order): one collective per dtype, not one per leaf."""
+    groups: dict[torch.dtype, list[str]] = {}
+    for name in names:
+        groups.setdefault(dtype_of(name), []).append(name)
+    yield from groups.items()
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardLayout:
+    """A state's sharding: the request and every parameter's global shape (a static field of the state).
+
+    Example:
+        >>> layout = ShardLayout(fully_shard(), (("w", (5, 2)),))
+        >>> layout.global_shape("w"), layout.sharding.local_shape((5, 2))
+        ((5, 2), (5, 2))
+    """
+
+    sharding: Sharding
+    shapes: tuple[tuple[str, tuple[int, ...]], ...]
+
+    def global_shape(self, name: str) -> tuple[int, ...]:
+        """The full shape of parameter ``name``."""
+        for key, shape in self.shapes:
+            if key == name:
+                return shape
+        raise KeyError(f"{name!r} is not a parameter of this sharded state")
+
+    @property
+    def num_params(self) -> int:
+        """Parameter elements of the whole model (all ranks' shards, padding excluded)."""
+        return sum(math.prod(shape) for _, shape in self.shapes)
+
+    # ------------------------------------------------------------------ traced collectives (the step)
+
+    def gather(
+        self,
+        local: Mapping[str, torch.Tensor],
+        dtype: torch.dtype | None = None,
+        shapes: Mapping[str, tuple[int, ...]] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """The full params from every rank's shards: one functional all-gather per dtype, traceable.
+
+        ``dtype`` casts the shards before the gather (bf16 gathers move half the bytes); ``shapes``
+        gives the global shapes of leaves that are not params (optimizer moments)."""
+        s = self.sharding
+        out: dict[str, torch.Tensor] = {}
+        names = list(local)
+        for dt, group in _by_dtype(names, lambda n: dtype or local[n].dtype):
+            flats = [local[n].to(dt).reshape(-1) for n in group]
+            if s.world_size == 1:
+                gathered = [f.reshape(1, -1) for f in flats]
+            else:
+                import torch.distributed._functional_collectives as funcol
+
+                flat = _waited(funcol.all_gather_single(torch.cat(flats), 0, s.group))
+                gathered = list(flat.reshape(s.world_size, -1).split([f.numel() for f in flats], dim=1))
+            for n, piece in zip(group, gathered):
+                shape = shapes[n] if shapes is not None else self.global_shape(n)
+                rows = piece.reshape(s.world_size * local[n].shape[0], *local[n].shape[1:])
+                out[n] = rows[: (shape[0] if shape else 1)].reshape(shape)
+        return {n: out[n] for n in names}
+
+    def reduce_scatter(
+        self, full: Mapping[str, torch.Tensor], dtypes: Mapping[str, torch.dtype]
+    ) -> dict[str, torch.Tensor]:
+        """Each rank's rows of the sum over ranks of ``full`` (gradients), reduced in ``dtypes[name]``:
+        one functional reduce-scatter per dtype, traceable."""
+        s = self.sharding
+        out: dict[str, torch.Tensor] = {}
+        names = list(full)
+        for dt, group in _by_dtype(names, lambda n: dtypes[n]):
+            blocks = [pad_rows(full[n].to(dt), s.world_size).reshape(s.world_size, -1) for n in group]
+            if s.world_size == 1:
+                pieces = [b.reshape(-1) for b in blocks]
+            else:
+                import torch.distributed._functional_collectives as funcol
+
+                flat = torch.cat(blocks, dim=1).reshape(-1)
+                mine = _waited(funcol.reduce_scatter_single(flat, "sum", 0, s.group))
+                pieces = list(mine.split([b.shape[1] for b in blocks]))
+            for n, piece in zip(group, pieces):
+                out[n] = piece.reshape(s.local_shape(self.global_shape(n)))
+        return {n: out[n] for n in names}
+
+    def local(self, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The rows the optimizer updates on this rank: the shards themselves (ZeRO-3), or this rank's
+        rows of the replicated params (ZeRO-1/2)."""
+        if self.sharding.shards_params:
+            return dict(params)
+        return {n: local_rows(p, self.sharding) for n, p in params.items()}
+
+    def at_rest(self, local: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Updated local rows back to the params the state keeps: unchanged (ZeRO-3) or all-gathered."""
+        if self.sharding.shards_params:
+            return dict(local)
+        return self.gather(local)
+
+    def global_norms(self, norms: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per-leaf norms of all ranks' rows from each rank's local norms: an all-reduce of the squares
+        (in float64, so the combined norm rounds like one computed whole)."""
+        if self.sharding.world_size == 1 or not norms:
+            return norms
+        import torch.distributed._functional_collectives as funcol
+
+        squares = torch.stack([n.to(torch.float64) for n in norms]).square()
+        total = _waited(funcol.all_reduce(squares, "sum", self.sharding.group)).sqrt()
+        return [total[i].to(n.dtype) for i, n in enumerate(norms)]
+
+    # ------------------------------------------------------------------ eager, outside the step
+
+    def full_params(self, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The whole params on every rank (eager; for ``state_dict()``/export): one leaf at a time.
+        Collective: every rank calls it."""
+        if not self.sharding.shards_params:
+            return dict(params)
+        return {n: self.gather({n: p})[n] for n, p in params.items()}
+
+    def sharded_leaves(self, state: Any) -> dict[tuple[Any, ...], tuple[int, ...]]:
+        """``{path: global shape}`` of the state's leaves that are shards (paths as
+        ``functrain.checkpoint.structure`` names them); every other leaf is replicated.
+
+        Params are shards under ZeRO-3; an optimizer-state leaf is the shard of a param when its path
+        ends with that param's name and it has the shard's shape (``tx.init`` made it from the shard)."""
+        from functrain.checkpoint.structure import leaves_with_paths
+
+        shapes = dict(self.shapes)
+        out: dict[tuple[Any, ...], tuple[int, ...]] = {}
+        for path, leaf in leaves_with_paths(state):
+            if not isinstance(leaf, torch.Tensor) or not path:
+                continue
+            name = path[-1]
+            if path[0] == "params":
+                if self.sharding.shards_params:
+                    out[path] = shapes[name]
+            elif (
+                path[0] == "opt_state"
+                and isinstance(name, str)
+                and name in shapes
+                and tuple(leaf.shape) == self.sharding.local_shape(shapes[name])
+            ):
+                out[path] = shapes[name]
+        return out
+
+    def full_state(self, state: Any) -> Any:
+        """The state with every shard gathered (params and optimizer state whole, ``sharding=None``):
+        what one process training on the same data would hold. Collective, one leaf at a time."""
+        from functrain.checkpoint.structure import rebuild
+
+        sharded = self.sharded_leaves(state)
+
+        def leaf(path: tuple[Any, ...], x: Any) -> Any:
+            if path not in sharded:
+                return x
+            return self.gather({"leaf": x}, shapes={"leaf": sharded[path]})["leaf"]
+
+        return rebuild(state, leaf).replace(sharding=None)
+
+
+# ----------------------------------------------------------------------------------------- creation
+
+
+def _source(sharding: Sharding) -> int:
+    return dist.get_global_rank(sharding.group, 0) if sharding.world_size > 1 else 0
+
+
+def _synced(
+    x: torch.Tensor, sharding: Sharding, device: torch.device | None, dtype: torch.dtype | None
+) -> torch.Tensor:
+    """Rank 0's value of a leaf on every rank (eager broadcast); other ranks may hold it on ``meta``."""
+    cast = dtype if dtype is not None and x.is_floating_point() else x.dtype
+    if sharding.world_size == 1:
+        if x.is_meta:
+            raise ValueError(
+                "TrainState.create(sharding=...): the model is on the meta device and there is no other "
+                "rank to broadcast its weights from; materialise it first (model.to_empty(device=...) "
+                "and reset_parameters()), or load it on rank 0"
+            )
+        return x.detach().to(device=device, dtype=cast)
+    target = device if device is not None else (torch.device("cpu") if x.is_meta else x.device)
+    if sharding.rank == 0:
+        if x.is_meta:
+            raise ValueError(
+                "TrainState.create(sharding=...): rank 0's model is on the meta device; rank 0 must hold "
+                "the weights (the other ranks may keep theirs on meta): load or initialise it there"
+            )
+        out = x.detach().to(device=target, dtype=cast).contiguous().clone()
+    else:
+        out = torch.empty(x.shape, dtype=cast, device=target)
+    dist.broadcast(out, src=_source(sharding), group=sharding.group)
+    return out
+
+
+def shard_variables(
+    params: Mapping[str, torch.Tensor],
+    buffers: Mapping[str, torch.Tensor],
+    sharding: Sharding,
+    *,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], ShardLayout]:
+    """Rank 0's params and buffers, broadcast leaf by leaf, each param cut to this rank's rows at once
+    (ZeRO-3; a full leaf at a time is the peak), with the layout to put in the state."""
+    if not isinstance(sharding, Sharding):
+        raise TypeError(
+            f"sharding must come from functrain.distributed.fully_shard(...), got {type(sharding).__name__}"
+        )
+    dev = torch.device(device) if device is not None else None
+    out_params: dict[str, torch.Tensor] = {}
+    for name, p in params.items():
+        full = _synced(p, sharding, dev, dtype)
+        out_params[name] = local_rows(full, sharding).clone() if sharding.shards_params else full
+        del full
+    out_buffers = {name: _synced(b, sharding, dev, dtype) for name, b in buffers.items()}
+    layout = ShardLayout(sharding, tuple((n, tuple(p.shape)) for n, p in params.items()))
+    return out_params, out_buffers, layout
