@@ -148,23 +148,31 @@ class CompiledStep:
 
     # The counting backend: every graph the step compiles passes through here.
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any], *, config: dict[str, Any]) -> Any:
-        self.num_compiles += 1
-        if self.num_compiles > 1:
-            self.compile_reasons.append(self._last_guard_failure())
-        if self.num_compiles > self.max_compiles:
+        count = self.num_compiles + 1
+        reason = self._last_guard_failure() if count > 1 else None
+        if count > self.max_compiles:
             msg = (
-                f"{self.__name__}: compiled {self.num_compiles} times (max_compiles={self.max_compiles}). "
-                f"Last cause: {self.compile_reasons[-1] if self.compile_reasons else 'unknown'}. A Python "
+                f"{self.__name__}: compiled {count} times (max_compiles={self.max_compiles}). "
+                f"Last cause: {reason or 'unknown'}. A Python "
                 "number that changes between calls (keep it a 0-d tensor in the state), a batch whose shape "
                 "changes (pad it, drop_last=True, or jit(..., dynamic=True)) or a new state structure each "
                 "trigger a recompilation."
             )
             if self.on_max_compiles == "raise":
+                self.num_compiles = count  # the refused compile is counted, with its cause
+                self.compile_reasons.append(reason or "unknown")
                 raise RecompileError(msg)
             if not self._warned:
                 warnings.warn(msg, stacklevel=2)
                 self._warned = True
-        return compile_graph(gm, example_inputs, config)
+        # Dynamo may restart its analysis from inside the backend (TensorifyScalarRestartAnalysis, when
+        # a Python float it traced symbolically is turned into a tensor; seen with a cold inductor
+        # cache) and call the backend again for the same compile: count only a graph that compiled.
+        compiled = compile_graph(gm, example_inputs, config)
+        self.num_compiles = count
+        if reason is not None:
+            self.compile_reasons.append(reason)
+        return compiled
 
     def _last_guard_failure(self) -> str:
         from torch._dynamo.utils import guard_failures

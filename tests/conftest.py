@@ -91,8 +91,11 @@ class RecordingInductor:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):  # type: ignore[no-untyped-def]
         from torch._inductor.compile_fx import compile_fx
 
+        compiled = compile_fx(gm, example_inputs)
+        # after compiling: dynamo may restart its analysis from inside compile_fx (a float scalar made a
+        # tensor) and pass the same graph again
         self.graphs.append(gm)
-        return compile_fx(gm, example_inputs)
+        return compiled
 
 
 @pytest.fixture

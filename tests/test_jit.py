@@ -60,6 +60,37 @@ def test_max_compiles_names_the_cause():
 
 
 @pytest.mark.compile
+def test_a_restarted_analysis_is_one_compile(monkeypatch):
+    # Dynamo may restart its analysis from inside the backend (TensorifyScalarRestartAnalysis: with a
+    # cold inductor cache it turned a float into a tensor in the remat and EMA steps) and hand the same
+    # graph over again. One graph compiled: num_compiles 1, no recompile reason, no warning.
+    import sys
+
+    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+
+    jit_module = sys.modules["functrain.jit"]  # the module (functrain.jit is also the function)
+
+    real, calls = jit_module.compile_graph, []
+
+    def restarting_once(gm, example_inputs, config):
+        calls.append(gm)
+        if len(calls) == 1:
+            raise TensorifyScalarRestartAnalysis
+        return real(gm, example_inputs, config)
+
+    monkeypatch.setattr(jit_module, "compile_graph", restarting_once)
+    model = mlp()
+    state = ft.TrainState.create(model, ft.optim.sgd(0.1))
+    step = ft.jit(ft.make_train_step(model, ft.supervised_loss(F.cross_entropy)))
+    batch = classification_batch()
+    state, _ = step(state, batch)
+    step(state, batch)
+    assert len(calls) == 2  # the backend was called twice ...
+    assert step.num_compiles == 1  # ... for one compile
+    assert step.compile_reasons == []
+
+
+@pytest.mark.compile
 def test_each_step_has_its_own_compile_cache():
     """Two steps in one process: the second's recompile is explained by its own guard, and neither
     step's compiles count toward the other's (dynamo keeps its caches per code object)."""
