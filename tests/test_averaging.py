@@ -276,9 +276,10 @@ def test_trainer_load_best_model_at_end_brings_the_best_checkpoints_average(tmp_
     manager = ft.checkpoint.CheckpointManager(tmp_path / "run" / "checkpoints", is_writer=False)
     best = manager.best(metric="eval/loss", mode="max")
     assert best < 6
-    from functrain.loop import _onto  # how Trainer.load puts a fit checkpoint's state onto a TrainState
+    # how Trainer.load puts a fit checkpoint's state onto a TrainState
+    from functrain.checkpoint import restore_onto
 
-    saved = _onto(ft.TrainState.create(SmallNet(), trainer.tx), manager.restore(best)["state"])
+    saved = restore_onto(ft.TrainState.create(SmallNet(), trainer.tx), manager.restore(best)["state"])
     got, want = averaging.find_average(trainer.state.opt_state), averaging.find_average(saved.opt_state)
     assert int(got.count) == best
     for name in want.params:

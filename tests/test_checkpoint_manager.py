@@ -180,7 +180,7 @@ def _forbid_modifications(monkeypatch) -> None:
 
 def test_reading_a_read_only_folder_with_a_stale_temporary_file(tmp_path, monkeypatch):
     """Opening, latest(), best(), restore() and `functrain eval`'s checkpoint lookup never modify the folder."""
-    from functrain.cli import _latest_checkpoint
+    from functrain.cli.main import _latest_checkpoint
 
     folder = tmp_path / "run"
     writer = CheckpointManager(folder, fsync=False, best_metric="loss")

@@ -7,7 +7,8 @@ import torch
 from models import classification_batch, mlp
 
 import functrain as ft
-from functrain import loop, random
+from functrain import random
+from functrain.data.build import as_loader
 
 META = torch.device("meta")
 
@@ -95,16 +96,16 @@ def test_a_cpu_state_gets_the_batches_as_they_are():
     )
     assert pointers == [x.data_ptr() for x, _ in batches]  # not copied
     loader = ft.data.Loader(dataset(), 4, shuffle=False)
-    assert loop._as_loader(loader, None, random.key(0), "fit", shuffle=False, device=None) is loader
+    assert as_loader(loader, None, random.key(0), "fit", shuffle=False, device=None) is loader
 
 
 def test_cuda_batches_are_pinned_and_copied_by_the_loader(monkeypatch):
     # Building a CUDA loader touches no GPU: check the wiring here, the copies in test_cuda.py.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     cuda = torch.device("cuda")
-    built = loop._as_loader(dataset(), 4, random.key(0), "fit", shuffle=True, device=cuda)
+    built = as_loader(dataset(), 4, random.key(0), "fit", shuffle=True, device=cuda)
     assert built.device == cuda and built._source.pin_memory
     given = ft.data.Loader(dataset(), 4, shuffle=False)
-    moved = loop._as_loader(given, None, random.key(0), "fit", shuffle=False, device=cuda)
+    moved = as_loader(given, None, random.key(0), "fit", shuffle=False, device=cuda)
     assert moved.device == cuda and given.device is None  # the user's loader is not changed
     assert moved.batch_indices(0) == given.batch_indices(0)

@@ -391,7 +391,8 @@ def test_every_config_field_is_consumed():
 
     package = HERE.parent / "functrain"  # the Trainer package (its builders, the demo) and the CLI
     sources = "".join(
-        f.read_text() for f in [*sorted((package / "trainer").glob("*.py")), package / "cli.py"]
+        f.read_text()
+        for f in [*sorted((package / "trainer").glob("*.py")), *sorted((package / "cli").glob("*.py"))]
     )
     unread = []
     for path in leaf_paths(ft.TrainerConfig):  # sections expanded, optional ones (early_stopping) too

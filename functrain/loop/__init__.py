@@ -30,21 +30,13 @@ Example:
     8
 """
 
-from functrain.checkpoint.onto import restore_onto as _onto  # noqa: F401  (the names of the one-module loop, for code that imports them)
-from functrain.loop.data import as_loader as _as_loader  # noqa: F401  (the names of the one-module loop, for code that imports them)
-from functrain.loop.data import batch_device as _batch_device  # noqa: F401  (the names of the one-module loop, for code that imports them)
 from functrain.loop.data import data_key
-from functrain.loop.data import noting_steps as _noting_steps  # noqa: F401  (the names of the one-module loop, for code that imports them)
-from functrain.loop.data import scalar_dict as _scalar_dict  # noqa: F401  (the names of the one-module loop, for code that imports them)
 from functrain.loop.evaluate import evaluate, predict
-from functrain.loop.events import Events as _Events  # noqa: F401  (the names of the one-module loop, for code that imports them)
-from functrain.loop.events import callback_names as _callback_names  # noqa: F401  (the names of the one-module loop, for code that imports them)
 from functrain.loop.fit import fit
 from functrain.loop.length import RunLength
 from functrain.loop.run import Run
 from functrain.loop.schedule import Every
 from functrain.loop.state import FitResult, LoopState, RunFinishedWarning
-from functrain.loop.window import Window as _Window  # noqa: F401  (the names of the one-module loop, for code that imports them)
 
 __all__ = [
     "Every",

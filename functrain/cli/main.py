@@ -29,8 +29,8 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from functrain.cli_checks import preflight
-from functrain.cli_errors import BuildError, debug_requested, report
+from functrain.cli.checks import preflight
+from functrain.cli.errors import BuildError, debug_requested, report
 
 __all__ = ["main"]
 
