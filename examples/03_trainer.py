@@ -26,6 +26,9 @@ config = ft.TrainerConfig(
     overwrite_output_dir=True,
     epochs=EPOCHS,
     batch_size=32,
+    # the short last batch of each epoch would compile the train step a second time; with BatchNorm in the
+    # model, padding it (pad_train_batches) cannot stand in for it: drop it (each epoch reshuffles)
+    drop_last=True,
     gradient_accumulation_steps=2,  # 64 examples per optimizer step, in two micro-batches
     optimizer={"name": "adamw", "lr": 3e-3, "weight_decay": 1e-4},
     scheduler={"name": "warmup_cosine", "warmup_ratio": 0.1},
