@@ -3,7 +3,7 @@ parallelism and PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard`` + ``torc
 
     python benchmarks/sharded.py              # 2 ranks (torchrun, gloo on CPU), 8 x Linear(1024), AdamW
     python benchmarks/sharded.py --ranks 4 --steps 20
-    python benchmarks/sharded.py --configs zero3_blocks fsdp2   # a subset
+    python benchmarks/sharded.py --configs zero3_blocks fsdp2 --donate   # a subset; jit(donate=True)
 
 Each configuration is its own torchrun launch (cores split evenly between the ranks). Per rank:
 
@@ -142,7 +142,7 @@ def worker(args: argparse.Namespace) -> None:
                 sharding = distributed.fully_shard(level=level, blocks=blocks)
                 state = ft.TrainState.create(model, tx, seed=0, sharding=sharding, device=env.device)
                 raw = ft.make_train_step(model, loss_fn, sharding=sharding)
-            step = ft.jit(raw, compile=args.compile)
+            step = ft.jit(raw, compile=args.compile, donate=args.donate)
             box = [state]
 
             def run() -> torch.Tensor:
@@ -190,6 +190,7 @@ def _launch(config: str, args: argparse.Namespace, out: str) -> list[dict]:
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ranks}", f"--master_port={_free_port()}",
         HERE, "--worker", "--config", config, "--out", out, "--threads", str(threads),
         "--steps", str(args.steps), "--warmup", str(args.warmup), *(["--compile"] if args.compile else []),
+        *(["--donate"] if args.donate else []),
     ]  # fmt: skip
     # large blocks mmapped and unmapped when freed (a fixed glibc threshold: no growing free-list cache),
     # so the resident memory follows the live tensors and its peak is the step's
@@ -216,6 +217,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--donate", action="store_true", help="functrain steps: jit(..., donate=True)")
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     args = parser.parse_args()
     if args.worker:
@@ -232,7 +234,7 @@ def main() -> None:
                     "samples_per_s": rows[0]["samples_per_s"],
                 }
     fsdp = results.get("fsdp2")
-    mode = "compiled" if args.compile else "eager"
+    mode = ("compiled" if args.compile else "eager") + (", functrain donating" if args.donate else "")
     print(
         f"\n{args.ranks} ranks, {BLOCKS} x (Linear({WIDTH}) + ReLU) + head, AdamW, batch {BATCH}/rank, {mode}:\n"
     )
