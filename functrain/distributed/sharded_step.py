@@ -143,15 +143,12 @@ class ShardedStep:
         self, state: Any, grads: Mapping[str, torch.Tensor], n: int, weighted: bool = False
     ) -> dict[str, torch.Tensor]:
         master = {k: v.dtype for k, v in state.params.items()}
-        weighted_grads = {
-            k: torch.zeros_like(g, dtype=master[k])
-            if n == 0
-            else g.to(master[k])
-            if weighted
-            else g.to(master[k]) * n
-            for k, g in grads.items()
-        }
-        return self.layout(state).reduce_scatter(weighted_grads, master)
+        factor = 1 if weighted else n  # with blocks the loss was already weighted by n
+
+        def weigh(k: str, g: torch.Tensor) -> torch.Tensor:
+            return torch.zeros_like(g, dtype=master[k]) if n == 0 else g.to(master[k]) * factor
+
+        return self.layout(state).reduce_scatter({k: weigh(k, g) for k, g in grads.items()}, master)
 
     def micro_grads(self, state: Any, grads: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
         """A micro-batch's gradients: reduce-scattered at once (ZeRO-2/3) or kept whole (ZeRO-1). With
