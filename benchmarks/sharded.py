@@ -3,6 +3,7 @@ parallelism and PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard`` + ``torc
 
     python benchmarks/sharded.py              # 2 ranks (torchrun, gloo on CPU), 8 x Linear(1024), AdamW
     python benchmarks/sharded.py --ranks 4 --steps 20
+    python benchmarks/sharded.py --configs zero3_blocks fsdp2 --donate   # a subset; jit(donate=True)
 
 Each configuration is its own torchrun launch (cores split evenly between the ranks). Per rank:
 
@@ -11,8 +12,10 @@ Each configuration is its own torchrun launch (cores split evenly between the ra
   (``VmHWM`` reset through ``/proc/self/clear_refs`` on Linux; CUDA: ``torch.cuda.max_memory_allocated``);
 - ``samples/s``: global examples per second, and its ratio to FSDP2 measured in the same run.
 
-functrain's sharded step gathers the params outside the backward (see functrain/distributed/DESIGN_FSDP.md):
+functrain's ZeRO-3 step gathers the params outside the backward (see functrain/distributed/DESIGN_FSDP.md):
 its peak holds the full weights and gradients, where FSDP2 frees each block's gathered weights after use.
+``ZeRO-3 + blocks`` (``fully_shard(level="params", blocks="auto")``) gathers each block's params inside
+its forward and again in its recomputed backward, as FSDP2 does per ``fully_shard``ed block.
 """
 
 from __future__ import annotations
@@ -30,15 +33,38 @@ from torch import nn
 
 HERE = os.path.abspath(__file__)
 WIDTH, BLOCKS, BATCH = 1024, 8, 64  # per rank
-CONFIGS = ("replicated", "zero1", "zero3", "fsdp2")
+CONFIGS = ("replicated", "zero1", "zero3", "zero3_blocks", "fsdp2")
+LABELS = {
+    "replicated": "replicated (`gradient_reducer`)",
+    "zero1": "functrain ZeRO-1",
+    "zero3": "functrain ZeRO-3",
+    "zero3_blocks": "functrain ZeRO-3 + blocks",
+    "fsdp2": "FSDP2 `fully_shard` + `torch.optim.AdamW`",
+}
 
 
-def _model() -> nn.Sequential:
+class _Block(nn.Sequential):
+    """One repeated block: Linear + ReLU (FSDP2 and ZeRO-3 + blocks shard per block)."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.Linear(WIDTH, WIDTH), nn.ReLU())
+
+
+class _Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(BLOCKS))
+        self.head = nn.Linear(WIDTH, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _model() -> _Model:
     torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(BLOCKS):
-        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(WIDTH, 10))
+    return _Model()
 
 
 def _rss_mb(field: str) -> float:
@@ -87,9 +113,8 @@ def worker(args: argparse.Namespace) -> None:
         if args.config == "fsdp2":
             from torch.distributed.fsdp import fully_shard
 
-            for layer in model:
-                if isinstance(layer, nn.Linear):
-                    fully_shard(layer)
+            for block in model.blocks:
+                fully_shard(block)
             fully_shard(model)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
 
@@ -112,10 +137,12 @@ def worker(args: argparse.Namespace) -> None:
                     model, loss_fn, gradient_reducer=distributed.gradient_reducer(model=model)
                 )
             else:
-                sharding = distributed.fully_shard(level="optimizer" if args.config == "zero1" else "params")
+                level = "optimizer" if args.config == "zero1" else "params"
+                blocks = "auto" if args.config == "zero3_blocks" else None
+                sharding = distributed.fully_shard(level=level, blocks=blocks)
                 state = ft.TrainState.create(model, tx, seed=0, sharding=sharding, device=env.device)
                 raw = ft.make_train_step(model, loss_fn, sharding=sharding)
-            step = ft.jit(raw, compile=args.compile)
+            step = ft.jit(raw, compile=args.compile, donate=args.donate)
             box = [state]
 
             def run() -> torch.Tensor:
@@ -163,6 +190,7 @@ def _launch(config: str, args: argparse.Namespace, out: str) -> list[dict]:
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ranks}", f"--master_port={_free_port()}",
         HERE, "--worker", "--config", config, "--out", out, "--threads", str(threads),
         "--steps", str(args.steps), "--warmup", str(args.warmup), *(["--compile"] if args.compile else []),
+        *(["--donate"] if args.donate else []),
     ]  # fmt: skip
     # large blocks mmapped and unmapped when freed (a fixed glibc threshold: no growing free-list cache),
     # so the resident memory follows the live tensors and its peak is the step's
@@ -189,13 +217,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--donate", action="store_true", help="functrain steps: jit(..., donate=True)")
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as out:
-        for config in CONFIGS:
+        for config in args.configs:
             rows = _launch(config, args, out)
             if rows:  # the worst rank
                 results[config] = {
@@ -204,14 +234,16 @@ def main() -> None:
                     "samples_per_s": rows[0]["samples_per_s"],
                 }
     fsdp = results.get("fsdp2")
-    mode = "compiled" if args.compile else "eager"
-    print(f"\n{args.ranks} ranks, {BLOCKS} x Linear({WIDTH}) + head, AdamW, batch {BATCH}/rank, {mode}:\n")
+    mode = ("compiled" if args.compile else "eager") + (", functrain donating" if args.donate else "")
+    print(
+        f"\n{args.ranks} ranks, {BLOCKS} x (Linear({WIDTH}) + ReLU) + head, AdamW, batch {BATCH}/rank, {mode}:\n"
+    )
     print("| config | state MB/rank | step peak MB/rank | samples/s | vs FSDP2 |")
     print("|---|---:|---:|---:|---:|")
     for config, r in results.items():
         ratio = f"{r['samples_per_s'] / fsdp['samples_per_s']:.2f}x" if fsdp else "-"
         print(
-            f"| {config} | {r['state_mb']:.1f} | {r['step_peak_mb']:.1f} | {r['samples_per_s']:.0f} | {ratio} |"
+            f"| {LABELS[config]} | {r['state_mb']:.1f} | {r['step_peak_mb']:.1f} | {r['samples_per_s']:.0f} | {ratio} |"
         )
 
 

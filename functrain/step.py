@@ -487,7 +487,7 @@ def make_train_step(
         batch, _ = unmask(batch)
         first = split_batch(batch, accumulate)[0] if accumulate > 1 else batch
         buffers = {k: v.clone() for k, v in state.buffers.items()}  # BatchNorm writes into the clones
-        params = state.params if plan is None else plan.params_for_grad(state)  # ZeRO-3: gathered
+        params = state.params if plan is None else plan.params_whole(state)  # ZeRO-3: gathered
         with torch.no_grad(), _autocast(_device_of(params), cast), _checkpoint_routing(model):
             loss_fn(bind(params, buffers), first)
 
@@ -522,11 +522,15 @@ def make_train_step(
         loss = torch.zeros((), device=_device_of(state.params))
         extra: dict[str, torch.Tensor] = {}
         preds, targets = [], []
-        with _checkpoint_routing(model):
+        gathering = contextlib.nullcontext() if plan is None else plan.gathering()  # ZeRO-3 blocks
+        with _checkpoint_routing(model), gathering:
             for i, mb in enumerate(micro):
                 weight = num_examples(mb) / total if accumulate > 1 and mask is None else 1.0
-                g, (_, (mb_loss, aux, buffers)) = grad_fn(params_in, buffers, mb, scale, *masking[i])
-                if weight != 1.0:
+                # ZeRO-3 blocks reduce their gradients in the backward: the loss is weighted before it
+                weighted = None if plan is None else plan.loss_weight(weight, num_examples(batch))
+                mb_scale = scale if weighted is None else weighted
+                g, (_, (mb_loss, aux, buffers)) = grad_fn(params_in, buffers, mb, mb_scale, *masking[i])
+                if weight != 1.0 and weighted is None:
                     g = tree.map(lambda x, w=weight: x * w, g)
                 if plan is not None:
                     g = plan.micro_grads(state, g, num_examples(batch))

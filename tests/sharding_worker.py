@@ -112,10 +112,11 @@ def sharded_run(
     accumulate: int = 1,
     compile: bool = False,
     break_with: Callable[[Any], None] | None = None,
+    blocks: Any = None,
 ) -> tuple[Any, list, Any]:
     rank, world = distributed.rank(), distributed.world_size()
     model = build(cls, on_meta=rank != 0)
-    sharding = distributed.fully_shard(level=level)
+    sharding = distributed.fully_shard(level=level, blocks=blocks)
     state = ft.TrainState.create(model, tx(), seed=0, sharding=sharding)
     raw = ft.make_train_step(model, LOSS, sharding=sharding, accumulate=accumulate)
     step = ft.jit(raw, compile=compile)

@@ -36,7 +36,13 @@ def _free_port() -> int:
 
 
 def _torchrun(
-    mode: str, out_dir: str, world: int, *extra: str, check: bool = True, timeout: int = 600
+    mode: str,
+    out_dir: str,
+    world: int,
+    *extra: str,
+    check: bool = True,
+    timeout: int = 600,
+    script: str = "sharding_worker.py",
 ) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"
@@ -46,7 +52,7 @@ def _torchrun(
     )
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-        f"--master_port={_free_port()}", os.path.join(HERE, "sharding_worker.py"), mode, out_dir, *extra,
+        f"--master_port={_free_port()}", os.path.join(HERE, script), mode, out_dir, *extra,
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if not check:

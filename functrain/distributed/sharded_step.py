@@ -3,7 +3,11 @@
 Per step, inside the one compiled graph (all collectives are functional, traced by ``torch.compile``):
 
 1. ZeRO-3: all-gather the param shards (in ``param_dtype`` if set) *outside* the differentiated
-   function; ``grad_and_value`` then runs over the full params, exactly as without sharding.
+   function; ``grad_and_value`` then runs over the full params, exactly as without sharding. With
+   blocks (``fully_shard(blocks=...)``) only the params outside the blocks are gathered here; each
+   block's forward gathers its own inside the differentiated function, rematerialised, and the gather's
+   backward reduce-scatters its gradient (:mod:`functrain.distributed.blocks`), so the loss is
+   weighted by ``n_r`` before the backward instead of the gradient after it.
 2. Reduce-scatter ``grad * n_r`` (``n_r``: this rank's examples; an empty batch contributes zeros) in the
    params' own dtype: after every micro-batch (ZeRO-2/3) or once per step (ZeRO-1). One all-reduce
    carries loss, metrics, BatchNorm buffer updates and ``n_r``; the gradient shard is divided by the
@@ -12,8 +16,9 @@ Per step, inside the one compiled graph (all collectives are functional, traced 
    (``functrain._foreach.FLAGS.norm_reduce``: clipping, ``grad_norm`` and LAMB's trust ratio all-reduce
    the squares of the local norms); ZeRO-1/2 all-gather the new rows into the replicated params.
 
-The full params are alive during the whole step (forward and backward): params and optimizer state are
-sharded at rest, activations are not (see ``DESIGN_FSDP.md``).
+Without blocks the full params are alive during the whole step (forward and backward): params and
+optimizer state are sharded at rest, the step's peak holds the full params and gradients; with blocks,
+one block's params at a time (see ``DESIGN_FSDP.md``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 from torch import nn
 
 from functrain import _foreach as foreach
+from functrain.distributed.blocks import GatheredBlocks
 from functrain.distributed.gradients import GradientReducer
 from functrain.distributed.sharding import Sharding, ShardLayout, local_rows
 
@@ -81,6 +87,15 @@ class ShardedStep:
         self.reducer = GradientReducer(buffers=sharding.buffers, model=model, group=group)
         # One function object for the plan's life: dynamo guards on FLAGS' attributes by identity.
         self._norm_reduce = _norm_reducer(sharding)
+        self.blocks: GatheredBlocks | None = None
+        if sharding.blocks is not None:
+            if model is None:
+                raise ValueError(
+                    "make_train_step: fully_shard(blocks=...) needs the model as an nn.Module (its blocks "
+                    "are submodules), got an apply function"
+                )
+            blocks = GatheredBlocks(model, sharding.blocks, sharding)
+            self.blocks = blocks if blocks else None  # none found: the whole model gathered, as without
 
     def layout(self, state: Any) -> ShardLayout:
         """The state's layout, checked against this step's request."""
@@ -99,23 +114,57 @@ class ShardedStep:
         return layout
 
     def params_for_grad(self, state: Any) -> dict[str, torch.Tensor]:
-        """The full params the forward and backward run on (gathered for ZeRO-3)."""
+        """The params the forward and backward run on: whole (gathered for ZeRO-3), except the blocks'
+        params, passed as shards (their forwards gather them)."""
+        if self.blocks is None:
+            return self.params_whole(state)
+        inside, outside = self.blocks.split(state.params)
+        gathered = {**self.layout(state).gather(outside, self.sharding.param_dtype), **inside}
+        return {k: gathered[k] for k in state.params}
+
+    def params_whole(self, state: Any) -> dict[str, torch.Tensor]:
+        """The full params (gathered for ZeRO-3), in ``param_dtype`` if set."""
         layout, dtype = self.layout(state), self.sharding.param_dtype
         if self.sharding.shards_params:
             return layout.gather(state.params, dtype)
         return dict(state.params) if dtype is None else {k: v.to(dtype) for k, v in state.params.items()}
 
-    def _scatter(self, state: Any, grads: Mapping[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
+    def gathering(self) -> contextlib.AbstractContextManager[Any]:
+        """Within this block the blocks' forwards gather their params (nothing to do without blocks)."""
+        return contextlib.nullcontext() if self.blocks is None else self.blocks.active()
+
+    def loss_weight(self, weight: float, n: int) -> float | None:
+        """With blocks, what the micro-batch's loss is multiplied by before the backward (its share of
+        the step times this rank's examples: the gradients are reduced inside the backward); None
+        without blocks (the gradient is weighted after the backward)."""
+        return None if self.blocks is None else weight * n
+
+    def _scatter(
+        self, state: Any, grads: Mapping[str, torch.Tensor], n: int, weighted: bool = False
+    ) -> dict[str, torch.Tensor]:
         master = {k: v.dtype for k, v in state.params.items()}
-        weighted = {
-            k: g.to(master[k]) * n if n > 0 else torch.zeros_like(g, dtype=master[k])
-            for k, g in grads.items()
-        }
-        return self.layout(state).reduce_scatter(weighted, master)
+        factor = 1 if weighted else n  # with blocks the loss was already weighted by n
+
+        def weigh(k: str, g: torch.Tensor) -> torch.Tensor:
+            return torch.zeros_like(g, dtype=master[k]) if n == 0 else g.to(master[k]) * factor
+
+        return self.layout(state).reduce_scatter({k: weigh(k, g) for k, g in grads.items()}, master)
 
     def micro_grads(self, state: Any, grads: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
-        """A micro-batch's gradients: reduce-scattered at once (ZeRO-2/3) or kept whole (ZeRO-1)."""
-        return grads if self.sharding.level == "optimizer" else self._scatter(state, grads, n)
+        """A micro-batch's gradients: reduce-scattered at once (ZeRO-2/3) or kept whole (ZeRO-1). With
+        blocks the loss was weighted (:meth:`loss_weight`) and the blocks' gradients are already this
+        rank's rows of the sum over ranks."""
+        if self.sharding.level == "optimizer":
+            return grads
+        if self.blocks is None:
+            return self._scatter(state, grads, n)
+        inside, outside = self.blocks.split(grads)
+        master = {k: state.params[k].dtype for k in inside}
+        out = {
+            **self._scatter(state, outside, n, weighted=True),
+            **{k: g.to(master[k]) for k, g in inside.items()},
+        }
+        return {k: out[k] for k in grads}
 
     def reduce(
         self,

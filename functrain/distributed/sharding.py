@@ -19,7 +19,11 @@ Levels (one field, as DeepSpeed's ZeRO stages):
 - ``"grads"`` (ZeRO-2): as ZeRO-1, but every micro-batch's gradients are reduce-scattered at once, so the
   accumulated gradient is a shard. With ``accumulate=1`` the two are the same step.
 - ``"params"`` (ZeRO-3): params sharded at rest too; the step all-gathers them, runs forward and backward
-  on the full params, reduce-scatters the gradients and updates the local rows.
+  on the full params, reduce-scatters the gradients and updates the local rows. With ``blocks=`` (the
+  model's repeated blocks, e.g. ``"auto"``) each block's params are gathered inside its forward and again
+  in its backward (per-block recompute, :mod:`functrain.distributed.blocks`): one block's params are
+  whole at a time, ZeRO-3's memory during the step too. A model without blocks keeps the savings at rest
+  only: its step holds the full params and gradients.
 
 Example:
     >>> import torch, functrain as ft
@@ -40,6 +44,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from functrain.distributed.blocks import Blocks, check_blocks
 from functrain.distributed.env import is_distributed
 
 __all__ = ["LEVELS", "Level", "ShardLayout", "Sharding", "fully_shard"]
@@ -64,6 +69,7 @@ class Sharding:
     world_size: int
     buffers: Literal["mean", "local"] = "mean"
     param_dtype: torch.dtype | None = None
+    blocks: Blocks = None
 
     @property
     def zero_stage(self) -> int:
@@ -93,6 +99,7 @@ def fully_shard(
     level: Level = "params",
     buffers: Literal["mean", "local"] = "mean",
     param_dtype: torch.dtype | None = None,
+    blocks: Blocks = None,
 ) -> Sharding:
     """Request sharded training over ``group`` (a ProcessGroup or a 1-D DeviceMesh; default: every rank).
 
@@ -105,11 +112,20 @@ def fully_shard(
             over ranks (weighted by examples), ``"local"`` keeps each rank's own, as DDP does.
         param_dtype: gather (and compute with) params in this dtype, e.g. ``torch.bfloat16``; gradients
             are reduced, and the optimizer runs, in the params' own dtype (FSDP2's mixed precision).
+            With ``blocks``, gathers move the params' own dtype and are cast after.
+        blocks: ZeRO-3 only: the model's repeated blocks, whose params are gathered inside each block's
+            forward and again in its backward (per-block recompute), so one block's params are whole at
+            a time (:mod:`functrain.distributed.blocks`): ``"auto"`` (the entries of every
+            ``nn.ModuleList`` of 2+ modules of one class), module classes, a list of submodule names or
+            a predicate ``(name, module) -> bool``. ``None`` (default): the whole model is gathered for
+            the step; the state is sharded at rest, the step's peak holds the full params and gradients.
 
     Example:
         >>> sharding = fully_shard(level="grads", param_dtype=torch.bfloat16)
         >>> sharding.zero_stage, sharding.world_size
         (2, 1)
+        >>> fully_shard(blocks=torch.nn.TransformerEncoderLayer).blocks
+        <class 'torch.nn.modules.transformer.TransformerEncoderLayer'>
     """
     if level not in LEVELS:
         raise ValueError(f"fully_shard: level must be one of {LEVELS} (ZeRO-1/2/3), got {level!r}")
@@ -117,6 +133,15 @@ def fully_shard(
         raise ValueError(f"fully_shard: buffers must be 'mean' or 'local', got {buffers!r}")
     if param_dtype is not None and not param_dtype.is_floating_point:
         raise ValueError(f"fully_shard: param_dtype must be a floating dtype, got {param_dtype}")
+    if blocks is not None:
+        if level != "params":
+            raise ValueError(
+                f"fully_shard: blocks= gathers params inside each block, so it needs level='params' "
+                f"(ZeRO-3), got level={level!r}: drop blocks= or shard the params"
+            )
+        if isinstance(blocks, str) and blocks != "auto":
+            raise ValueError(f"fully_shard: blocks must be 'auto' or a list of names, got {blocks!r}")
+        check_blocks(blocks)
     mesh_type = getattr(getattr(dist, "device_mesh", None), "DeviceMesh", None)
     if mesh_type is not None and isinstance(group, mesh_type):
         if group.ndim != 1:
@@ -125,8 +150,9 @@ def fully_shard(
     if group is None and is_distributed():
         group = dist.group.WORLD
     if group is None:
-        return Sharding(level, None, 0, 1, buffers, param_dtype)
-    return Sharding(level, group, dist.get_rank(group), dist.get_world_size(group), buffers, param_dtype)
+        return Sharding(level, None, 0, 1, buffers, param_dtype, blocks)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    return Sharding(level, group, rank, world, buffers, param_dtype, blocks)
 
 
 # ----------------------------------------------------------------------------------------- row blocks
@@ -165,6 +191,30 @@ def _by_dtype(
     yield from groups.items()
 
 
+class _AllGather(torch.autograd.Function):
+    """All-gather on dim 0 whose backward is the reduce-scatter (sum) of the gradient.
+
+    The functional collectives' own autograd is a ``torch.library`` Function that ``torch.func``
+    refuses (no ``setup_context``); this one has it, and its forward neither detaches nor disables
+    gradients (compiled, that would make every gradient 0: SHARDING_FACTS.md)."""
+
+    @staticmethod
+    def forward(flat: torch.Tensor, group: Any) -> torch.Tensor:
+        import torch.distributed._functional_collectives as funcol
+
+        return _waited(funcol.all_gather_single(flat, 0, group))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.group = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        import torch.distributed._functional_collectives as funcol
+
+        return _waited(funcol.reduce_scatter_single(grad.contiguous(), "sum", 0, ctx.group)), None
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardLayout:
     """A state's sharding: the request and every parameter's global shape (a static field of the state).
@@ -197,11 +247,15 @@ class ShardLayout:
         local: Mapping[str, torch.Tensor],
         dtype: torch.dtype | None = None,
         shapes: Mapping[str, tuple[int, ...]] | None = None,
+        *,
+        differentiable: bool = False,
     ) -> dict[str, torch.Tensor]:
         """The full params from every rank's shards: one functional all-gather per dtype, traceable.
 
         ``dtype`` casts the shards before the gather (bf16 gathers move half the bytes); ``shapes``
-        gives the global shapes of leaves that are not params (optimizer moments)."""
+        gives the global shapes of leaves that are not params (optimizer moments). ``differentiable``:
+        the gather's backward reduce-scatters the gradient (summed over ranks), under ``torch.func``
+        transforms too (ZeRO-3 with blocks, :mod:`functrain.distributed.blocks`)."""
         s = self.sharding
         out: dict[str, torch.Tensor] = {}
         names = list(local)
@@ -212,7 +266,10 @@ class ShardLayout:
             else:
                 import torch.distributed._functional_collectives as funcol
 
-                flat = _waited(funcol.all_gather_single(torch.cat(flats), 0, s.group))
+                if differentiable:
+                    flat = _AllGather.apply(torch.cat(flats), s.group)
+                else:
+                    flat = _waited(funcol.all_gather_single(torch.cat(flats), 0, s.group))
                 gathered = list(flat.reshape(s.world_size, -1).split([f.numel() for f in flats], dim=1))
             for n, piece in zip(group, gathered):
                 shape = shapes[n] if shapes is not None else self.global_shape(n)
