@@ -26,6 +26,10 @@ from functrain.cli import main as cli
 
 HERE = Path(__file__).parent
 F64 = 1e-12
+# float64, sharded vs replicated over 15 AdamW steps: measured 5e-9. Not the reduction's error (1e-16) but
+# its amplification: Adam divides gradients near zero (a bias before BatchNorm: pure rounding noise) by
+# |g| + eps, and BatchNorm over a 1-example last batch divides by sqrt(eps). The levels agree bitwise.
+REPLICATED = 1e-7
 
 
 # ------------------------------------------------------------------------------------------- the field
@@ -137,11 +141,12 @@ def trainer_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 def test_trainer_on_two_ranks_equals_sharding_none(trainer_runs: list[dict], level: str) -> None:
     for out in trainer_runs:
         plain, sharded = out["none"], out[level]
-        torch.testing.assert_close(sharded["params"], plain["params"], rtol=0, atol=F64)
+        torch.testing.assert_close(sharded["params"], plain["params"], rtol=0, atol=REPLICATED)
         for a, b in zip(sharded["opt_state"], plain["opt_state"]):
-            torch.testing.assert_close(a, b, rtol=0, atol=F64)
-        assert sharded["eval"] == pytest.approx(plain["eval"], abs=1e-6)
-        torch.testing.assert_close(sharded["predict"], plain["predict"], rtol=0, atol=F64)
+            torch.testing.assert_close(a, b, rtol=0, atol=REPLICATED)
+        assert sharded["eval"] == pytest.approx(plain["eval"], abs=1e-6)  # float32 metrics
+        torch.testing.assert_close(sharded["predict"], plain["predict"], rtol=0, atol=REPLICATED)
+        torch.testing.assert_close(sharded["params"], out["optimizer"]["params"], rtol=0, atol=F64)
         assert sharded["checkpoints"] == plain["checkpoints"] == [5, 10, 15]
 
 
