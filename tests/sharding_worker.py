@@ -5,7 +5,8 @@
 Modes: ``parity`` (ZeRO-1/2/3 on a transformer and LAMB against one process on the union batch, a
 BatchNorm CNN against replicated data parallelism, and the guards: broken variants must be caught),
 ``compile`` (one compiled ZeRO-3 config), ``save`` (a sharded checkpoint and the run continued),
-``resume`` (restore it on this world size), ``kill`` (rank 1 dies in the middle of a save). Each rank
+``resume`` (restore it on this world size), ``kill`` (rank 1 dies in the middle of a save), ``trainer``
+(the Trainer with ``config.sharding``: each level against ``sharding: none``, resumed, saved, loaded). Each rank
 writes ``OUT_DIR/<mode>_rank<r>.pt`` (a test artefact read back by the test, not a checkpoint).
 """
 
@@ -368,8 +369,58 @@ def kill(out: dict, directory: str) -> None:
     ckpt.save_sharded(directory, 2, state)  # rank 1 dies in here; rank 0 fails in the collective
 
 
+def trainer(out: dict, directory: str) -> None:
+    """The Trainer (float64, eager) with each ``sharding`` level and with ``none`` on the same data (uneven
+    last batch, clipping, weight decay, BatchNorm, dropout, ``init_weights_from``): the final params,
+    evaluation, each rank's shard shapes, a run of 2 epochs resumed to 3 against 3 straight, and
+    ``Trainer.save``/``load`` of a sharded state. ``directory/init.ckpt``: the weights every run starts from."""
+    from trainer_fixtures import SmallNet
+
+    def data(n: int, seed: int) -> torch.utils.data.TensorDataset:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(n, 6, generator=g, dtype=torch.float64)
+        return torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long())
+
+    def run(level: str, folder: str, epochs: int, resume: bool = False) -> ft.Trainer:
+        config = ft.TrainerConfig(
+            output_dir=os.path.join(directory, folder), epochs=epochs, batch_size=4, seed=5,
+            optimizer={"name": "adamw", "lr": 1e-2, "weight_decay": 0.1}, max_grad_norm=0.5,
+            metrics=["accuracy"], compile=False, device="cpu", progress_bar=False, print_summary=False,
+            init_weights_from=os.path.join(directory, "init.ckpt"), sharding=level, resume_from_checkpoint=resume,
+        )  # fmt: skip
+        torch.manual_seed(distributed.rank())  # each rank's own initial weights: init_weights_from sets them
+        trainer = ft.Trainer(SmallNet().double(), config, data(37, 0), data(13, 1))
+        trainer.train()
+        return trainer
+
+    for level in ("none", "optimizer", "params"):
+        t = run(level, level, 3)
+        state = t.state if level == "none" else t.state.sharding.full_state(t.state)
+        out[level] = {
+            "params": state.params,
+            "opt_state": ft.tree.leaves(state.opt_state),
+            "eval": t.evaluate(),
+            "predict": t.predict(data(5, 2)),
+            "local_params": {k: tuple(v.shape) for k, v in t.state.params.items()},
+            "local_opt": [tuple(x.shape) for x in ft.tree.leaves(t.state.opt_state) if x.ndim > 0],
+            "checkpoints": t.checkpoint_manager().all_steps(),
+        }
+        if level == "none":
+            continue
+        run(level, f"{level}_resumed", 2)
+        resumed = run(level, f"{level}_resumed", 3, resume=True).state
+        out[level]["resumed"] = resumed.sharding.full_state(resumed).params
+        t.save(os.path.join(directory, f"{level}_final.ckpt"))
+        fresh = run(level, f"{level}_fresh", 1)
+        loaded = fresh.load(os.path.join(directory, f"{level}_final.ckpt"))
+        out[level]["loaded_whole"] = loaded.sharding.full_state(loaded).params
+        manager = t.checkpoint_manager()  # the run's last checkpoint, a step_N.shards manifest
+        loaded = fresh.load(manager.path(manager.latest()))
+        out[level]["loaded_shards"] = (int(loaded.step), loaded.sharding.full_state(loaded).params)
+
+
 MODES = {"parity": parity, "compile": compiled}
-DIR_MODES = {"save": save, "resume": resume, "kill": kill}
+DIR_MODES = {"save": save, "resume": resume, "kill": kill, "trainer": trainer}
 
 
 def main(mode: str, out_dir: str, ckpt_dir: str | None = None) -> None:

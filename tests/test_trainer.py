@@ -356,7 +356,8 @@ def test_cli_under_torchrun_two_processes(tmp_path: Path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     path = write_config(tmp_path, epochs=2, batch_size=8)
-    env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    root = os.path.dirname(os.path.dirname(ft.__file__))  # the functrain under test, not the installed one
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, str(HERE), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run(
         [
             sys.executable,

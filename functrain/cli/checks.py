@@ -28,7 +28,8 @@ __all__ = ["preflight"]
 
 # Kept in output_dir across runs and not a run by itself (functrain.trainer.COMPILE_CACHE_DIR).
 _COMPILE_CACHE_DIR = "compile-cache"
-_CHECKPOINT_NAME = re.compile(r"^step_\d+\.ckpt$")  # functrain.checkpoint.manager's file names
+# functrain.checkpoint.manager's file names, and a sharded run's folders (functrain.checkpoint.sharded)
+_CHECKPOINT_NAME = re.compile(r"^step_\d+\.(ckpt|shards)$")
 
 
 def preflight(
@@ -140,7 +141,7 @@ def _train_paths(config: TrainerConfig) -> list[Problem]:
 
 def _checkpoint_to_read(config: TrainerConfig, checkpoint: str | None, yaml_name: str) -> list[Problem]:
     if checkpoint is not None:
-        if os.path.isfile(checkpoint):
+        if os.path.isfile(checkpoint) or (os.path.isdir(checkpoint) and checkpoint.endswith(".shards")):
             return []
         what = "is a directory, not a checkpoint file" if os.path.isdir(checkpoint) else "no such file"
         return [

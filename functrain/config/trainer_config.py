@@ -25,7 +25,7 @@ import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from functrain.config.coerce import plain_data
 from functrain.config.errors import ConfigError, Problem, suggestion
@@ -52,6 +52,7 @@ from functrain.config.yaml_io import (
 __all__ = ["TrainerConfig"]
 
 Strategy = Literal["no", "steps", "epoch"]
+ShardingLevel = Literal["none", "optimizer", "grads", "params"]
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 
 _DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
@@ -121,6 +122,35 @@ def _normalize_spec(value: Any, path: str) -> Any:
     if not imports_deferred():
         check_import_spec(spec, path)
     return spec
+
+
+# Other trainers' names for the sharding levels -> functrain's (the ``sharding`` field's doc lists them):
+# FSDP's ShardingStrategy and DeepSpeed's ZeRO stage numbers.
+SHARDING_ALIASES: dict[Any, str] = {
+    "no_shard": "none",
+    "shard_grad_op": "grads",
+    "grad_op": "grads",
+    "full_shard": "params",
+    "full": "params",
+    0: "none",
+    1: "optimizer",
+    2: "grads",
+    3: "params",
+}
+
+
+def _sharding_level(value: Any, path: str) -> Any:
+    """``sharding`` in functrain's spelling: FSDP's and DeepSpeed's names mapped, ``false``/``null`` off."""
+    if value is False or value is None:
+        return "none"
+    if isinstance(value, bool):  # true names no level (and would equal the int 1 below)
+        return value
+    if isinstance(value, int):
+        return SHARDING_ALIASES.get(value, value)
+    if not isinstance(value, str):
+        return value
+    lowered = value.lower()
+    return SHARDING_ALIASES.get(lowered, lowered if lowered in get_args(ShardingLevel) else value)
 
 
 def _false_is_off(value: Any, path: str) -> Any:
@@ -271,6 +301,16 @@ class TrainerConfig(ConfigSection):
         "another machine of the same kind starts warm. Its files are torch's pickles (loading one can run "
         "code): turn it on only for run directories that only you write. Off, a new process on the same "
         "machine still starts warm from torch's local cache.",
+    )
+    # -- distributed (torchrun)
+    sharding: ShardingLevel = option(
+        "none",
+        doc="Shard the training state over the torchrun ranks (ZeRO): 'none' replicates it (data "
+        "parallel); 'optimizer' shards the optimizer state (ZeRO-1), 'grads' the gradients too (ZeRO-2), "
+        "'params' the params too (ZeRO-3). Aliases: FSDP's full_shard/full = params, shard_grad_op/grad_op "
+        "= grads, no_shard = none; DeepSpeed's stages 0-3. Checkpoints are then one file per rank (any "
+        "world size resumes them). Not with sweep, ema, pad_train_batches or fp16.",
+        normalize=_sharding_level,
     )
     # -- sweeps (functrain.ensemble)
     sweep: dict[str, list[Any]] = option(
@@ -499,6 +539,18 @@ class TrainerConfig(ConfigSection):
                 f"set scheduler.warmup_steps below {self.max_steps}",
             )
 
+    @rule("sharding", "sweep", "ema", "pad_train_batches", "mixed_precision")
+    def _sharding_supported(self) -> Iterable[Problem]:
+        if self.sharding == "none":
+            return
+        for name, (on, why, fix) in _NOT_SHARDED.items():
+            if on(self):
+                yield Problem(
+                    name,
+                    f"is not supported with sharding={self.sharding!r}: {why}",
+                    f"{fix}, or set sharding=none",
+                )
+
     @rule("init_weights_from", "resume_from_checkpoint")
     def _init_or_resume(self) -> Iterable[Problem]:
         if self.init_weights_from is not None and isinstance(self.resume_from_checkpoint, str):
@@ -520,6 +572,27 @@ class TrainerConfig(ConfigSection):
             value = getattr(self, name)
             if isinstance(value, str) and not value.strip():
                 yield Problem(name, "is an empty string", f"set {name} to a path, or leave it at its default")
+
+
+# field -> (whether the config uses it, why a sharded state cannot, the fix): what sharding refuses.
+_NOT_SHARDED: dict[str, tuple[Any, str, str]] = {
+    "sweep": (lambda c: bool(c.sweep), "an ensemble's stacked state is not sharded", "remove sweep"),
+    "ema": (
+        lambda c: c.ema is not None,
+        "the average would be kept in shards that evaluation does not gather",
+        "set ema=null",
+    ),
+    "pad_train_batches": (
+        lambda c: c.pad_train_batches,
+        "the sharded step weights each rank by its batch's rows",
+        "set pad_train_batches=false (drop_last=true also keeps one compile)",
+    ),
+    "mixed_precision": (
+        lambda c: c.mixed_precision == "fp16",
+        "fp16's overflow check would be per rank",
+        "use mixed_precision=bf16",
+    ),
+}
 
 
 def _steps_match_strategy(kind: str, strategy: str, steps: int | None) -> Iterable[Problem]:

@@ -4,7 +4,7 @@ piece of the run. The :class:`~functrain.trainer.Trainer` is these put together;
 - :func:`optimizer`, :func:`schedule` (from the table :data:`functrain.config.schedules.SCHEDULES`),
   :func:`criterion`, :func:`metrics`, :func:`callbacks`, :func:`loggers` (the table :data:`LOGGERS`),
   :func:`manager` (the checkpoint folder), :func:`loader`, :func:`frozen`, :func:`total_steps`,
-  :func:`initial_state`, :func:`steps` (train/eval/predict), :func:`compiled` (their ``jit``),
+  :func:`sharding`, :func:`initial_state`, :func:`steps` (train/eval/predict), :func:`compiled` (their ``jit``),
   :func:`every` (fit's eval/save/log periods), :func:`resolve_device`.
 
 Example:
@@ -29,9 +29,11 @@ from functrain import callbacks as cbs
 from functrain import checkpoint, data, distributed, ensemble, optim
 from functrain import logging as ftlog
 from functrain import metrics as ftmetrics
+from functrain.checkpoint.sharded import ShardedCheckpointManager
 from functrain.config import ConfigError, TrainerConfig
 from functrain.config.schedules import SCHEDULES
 from functrain.config.section import type_hints
+from functrain.distributed.sharding import local_rows
 from functrain.jit import CompiledStep, jit
 from functrain.precision import LossScale
 from functrain.state import TrainState
@@ -58,6 +60,7 @@ __all__ = [
     "replicated",
     "resolve_device",
     "schedule",
+    "sharding",
     "steps",
     "total_steps",
 ]
@@ -307,11 +310,28 @@ def pads(config: TrainerConfig, kind: str, *, overridden: bool = False) -> bool:
     return bool(wanted) and not config.sweep and not overridden
 
 
+def sharding(config: TrainerConfig) -> distributed.Sharding | None:
+    """``config.sharding`` as a :func:`functrain.distributed.fully_shard` request over every rank (one
+    process: a world of one, which holds everything), or ``None`` (replicated). Call it after
+    ``distributed.initialize()``.
+
+    Example:
+        >>> sharding(TrainerConfig(max_steps=1, sharding="full")).zero_stage
+        3
+    """
+    return None if config.sharding == "none" else distributed.fully_shard(level=config.sharding)
+
+
 def initial_state(
-    config: TrainerConfig, model: nn.Module, tx: optim.GradientTransformation, device: torch.device
+    config: TrainerConfig,
+    model: nn.Module,
+    tx: optim.GradientTransformation,
+    device: torch.device,
+    sharding: distributed.Sharding | None = None,
 ) -> tuple[TrainState, Any]:
     """The run's first state (``seed``, on ``device``, fp16's loss scale, ``init_weights_from``) and the
-    report of what ``init_weights_from`` loaded (``None`` without it).
+    report of what ``init_weights_from`` loaded (``None`` without it). With ``sharding`` the state is
+    sharded as it is created: the optimizer state is built on the shards, never whole.
 
     Example:
         >>> import functrain as ft
@@ -325,11 +345,14 @@ def initial_state(
         seed=config.seed,
         device=device,
         loss_scale=LossScale.create() if config.mixed_precision == "fp16" else None,
+        sharding=sharding,
     )
     if not config.init_weights_from:
         return state, None
-    state, report = checkpoint.init_weights_from(
-        config.init_weights_from, state, tied_parameters=dict(state.tied)
+    layout = state.sharding
+    whole = state if layout is None else state.replace(params=layout.full_params(state.params))
+    whole, report = checkpoint.init_weights_from(
+        config.init_weights_from, whole, tied_parameters=dict(state.tied)
     )
     if not report.loaded:
         raise ConfigError.single(
@@ -337,7 +360,11 @@ def initial_state(
             f"no weight of {config.init_weights_from} matches the model by name and shape",
             "check the file and the model",
         )
-    return state, report
+    if layout is not None and layout.sharding.shards_params:  # the loaded weights cut to this rank's rows
+        whole = whole.replace(
+            params={n: local_rows(p, layout.sharding).clone() for n, p in whole.params.items()}
+        )
+    return whole, report
 
 
 class Losses(NamedTuple):
@@ -363,10 +390,12 @@ def steps(
     losses: Losses,
     metrics: ftmetrics.Collection | None,
     reducer: Any = None,
+    sharding: distributed.Sharding | None = None,
 ) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
     """The pure train, eval and predict steps of ``config`` (precision, accumulation, frozen BatchNorm,
     skipping non-finite steps, a sweep's ensemble) over ``losses``; ``reducer``: torchrun's gradient
-    averaging.
+    averaging; ``sharding``: the state's (:func:`sharding`), which the train step reduce-scatters for
+    (evaluation and prediction gather a ZeRO-3 state's params inside their steps).
 
     Example:
         >>> import functrain as ft
@@ -382,6 +411,7 @@ def steps(
         metrics=None,
         freeze_batchnorm=config.freeze.batchnorm,
         gradient_reducer=reducer,
+        sharding=sharding,
     )
     if config.nonfinite != "ignore":  # inside the ensemble's vmap below: each member skips on its own
         train = cbs.skip_nonfinite(train)
@@ -439,21 +469,28 @@ def best_metric(config: TrainerConfig) -> str:
     return f"eval/{config.metric_for_best_model}"
 
 
-def manager(config: TrainerConfig) -> checkpoint.CheckpointManager:
+def manager(
+    config: TrainerConfig, request: distributed.Sharding | None = None
+) -> checkpoint.CheckpointManager | ShardedCheckpointManager:
     """The run's checkpoint folder: retention, and the best model by ``metric_for_best_model`` when the run
-    evaluates. Opening it reads only.
+    evaluates. Opening it reads only. With ``config.sharding`` a :class:`ShardedCheckpointManager` (one
+    file per rank and a manifest, restored on any world size) over ``request`` (default:
+    :func:`sharding` of the config).
 
     Example:
         >>> manager(TrainerConfig(output_dir="runs/a", max_steps=1)).latest()  # doctest: +SKIP
     """
     evaluates = config.eval_strategy != "no"
-    return checkpoint.CheckpointManager(
-        Path(config.output_dir) / config.checkpoints_dir,
-        max_to_keep=config.save_total_limit,
-        best_metric=best_metric(config) if evaluates else None,
-        best_mode=config.resolved_best_model_mode or "min",
-        keep_best=1 if evaluates else 0,
-    )
+    retention: dict[str, Any] = {
+        "max_to_keep": config.save_total_limit,
+        "best_metric": best_metric(config) if evaluates else None,
+        "best_mode": config.resolved_best_model_mode or "min",
+        "keep_best": 1 if evaluates else 0,
+    }
+    directory = Path(config.output_dir) / config.checkpoints_dir
+    if config.sharding != "none":
+        return ShardedCheckpointManager(directory, request or sharding(config), **retention)
+    return checkpoint.CheckpointManager(directory, **retention)
 
 
 def callbacks(config: TrainerConfig, extra: Iterable[cbs.Callback] = ()) -> list[cbs.Callback]:

@@ -36,7 +36,7 @@ from functrain.config import ConfigError, TrainerConfig
 from functrain.loop import FitResult, data_key, evaluate, fit, predict
 from functrain.state import TrainState
 from functrain.step import StepSpec, _inputs_and_target, spec_of
-from functrain.trainer import averaging, batches, build, run_dir, sweep
+from functrain.trainer import averaging, batches, build, run_dir, sharded_state, sweep
 
 __all__ = ["Trainer"]
 
@@ -101,10 +101,14 @@ class Trainer:
         self.total_steps = build.total_steps(cfg, train_dataset)
         self.schedule = build.schedule(cfg, self.total_steps)
         self.tx = optimizer if optimizer is not None else self.build_optimizer()
+        # config.sharding over the torchrun ranks (one process: a world of one); None: replicated
+        self.sharding = build.sharding(cfg)
         if cfg.sweep:
             self.state, self.sweep_members = sweep.state(cfg, model, self.tx, self.device)
         else:
-            self.state, self.init_report = build.initial_state(cfg, model, self.tx, self.device)
+            self.state, self.init_report = build.initial_state(
+                cfg, model, self.tx, self.device, self.sharding
+            )
         self._build_steps()
         self._jitted: dict[str, Any] = {}
         self.result: FitResult | None = None
@@ -243,12 +247,22 @@ class Trainer:
         return predict(state, self._jit("predict", self._predict_step), loader, collect=True)
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Save the train state (params, buffers, optimizer state, step, key) as a msgpack checkpoint."""
+        """Save the train state (params, buffers, optimizer state, step, key) as a msgpack checkpoint.
+
+        A sharded state (``config.sharding``) is gathered whole first (every rank calls ``save``; rank 0
+        writes): the file is the one a single process training on the same data would save."""
         metadata = {"tied_parameters": dict(self.state.tied)}
-        checkpoint.save(path, self.state, step=ensemble.run_step(self.state), metadata=metadata)
+        state = self.state if self.state.sharding is None else self.state.sharding.full_state(self.state)
+        if self.state.sharding is None or distributed.is_main_process():
+            checkpoint.save(path, state, step=ensemble.run_step(self.state), metadata=metadata)
+        distributed.barrier()
 
     def load(self, path: str | os.PathLike[str]) -> TrainState:
-        """Load a state saved by :meth:`save` (or a checkpoint of ``fit``) onto this trainer's state."""
+        """Load a state saved by :meth:`save` (or a checkpoint of ``fit``, a sharded one's
+        ``step_N.shards`` folder or manifest included) onto this trainer's state."""
+        if self.state.sharding is not None:
+            self.state = sharded_state.load(self.state, path)
+            return self.state
         raw = checkpoint.restore(path)
         raw = raw.get("state", raw) if isinstance(raw, dict) else raw
         self.state = restore_onto(self.state, raw)
@@ -257,7 +271,7 @@ class Trainer:
     def checkpoint_manager(self) -> checkpoint.CheckpointManager:
         """The run's checkpoint folder as ``train()`` writes it (:func:`functrain.trainer.build.manager`):
         the CLI's eval/predict find the latest or best checkpoint of a run with it."""
-        return build.manager(self.config)
+        return build.manager(self.config, self.sharding)
 
     def best_member(self) -> TrainState:
         """After a sweep (``config.sweep``): the winning member's state, by the final
@@ -276,9 +290,11 @@ class Trainer:
     # ------------------------------------------------------------------------------ building
 
     def _build_steps(self) -> None:
-        self.state, reducer = build.replicated(self.state, self.model, self.device)
+        reducer = None
+        if self.sharding is None:  # a sharded state was made the same on every rank as it was created
+            self.state, reducer = build.replicated(self.state, self.model, self.device)
         self._train_step, self._eval_step, self._predict_step = build.steps(
-            self.config, self.model, _losses(self), self.metrics, reducer
+            self.config, self.model, _losses(self), self.metrics, reducer, self.sharding
         )
 
     def _jit(self, kind: str, fn: Callable[..., Any]) -> Any:
@@ -288,6 +304,7 @@ class Trainer:
             self._jitted[kind].spec = StepSpec(
                 metrics=spec_of(self._eval_step).metrics if kind == "eval" else None,
                 gradient_reducer=spec_of(self._train_step).gradient_reducer,
+                sharding=self.sharding if kind == "train" else None,
                 masked_batches=build.pads(self.config, kind, overridden=_overridden(self, kind)),
             )
         return self._jitted[kind]
