@@ -5,7 +5,7 @@ pre-made batches (one dataset item = one batch of 256), so loading costs almost 
 compared is the loop machinery around the step. Variants, each ``--steps`` optimizer steps per run:
 
     ft-bare        for batch in loader.epoch(0): state, metrics = step(state, batch)  (+ a loss read every 50)
-    ft-fit         functrain.fit(state, step, loader, max_steps=N, log_every=50), progress bar on
+    ft-fit         functrain.fit(state, step, loader, max_steps=N, log_steps=50), progress bar on
     torch-bare     torch.compile(model) + fused AdamW, for batch in DataLoader (+ loss.item() every 50)
     lightning      lightning.Trainer(max_steps=N, log_every_n_steps=50, progress bar on) on the same
                    compiled model, optimizer and DataLoader (if lightning is installed)
@@ -71,7 +71,7 @@ def ft_variants(batches: list, steps: int) -> dict[str, Callable[[], None]]:
                 float(metrics["loss"])
 
     def fit() -> None:
-        ft.fit(state0, step, loader, max_steps=steps, log_every=LOG_EVERY, progress_bar=True)
+        ft.fit(state0, step, loader, max_steps=steps, log_steps=LOG_EVERY, progress_bar=True)
 
     for _ in range(2):
         step(state0, batches[0])  # compile before timing

@@ -37,7 +37,7 @@ result = ft.fit(
     eval_data=val,
     eval_batch_size=90,
     epochs=1 if SMALL else 10,
-    log_every=10,
+    log_steps=10,
     callbacks=[
         ft.callbacks.EarlyStopping("eval/accuracy", mode="max", patience=3, restore_best=True),
         ft.callbacks.ModelCheckpoint(
@@ -48,7 +48,7 @@ result = ft.fit(
         ft.callbacks.Preemption(),  # Ctrl-C or SIGTERM: save, stop; the next run resumes
     ],
     loggers=[ft.logging.JSONLWriter(f"{run_dir}/logs"), ft.logging.TensorBoardWriter(f"{run_dir}/logs/tb")],
-    resume=True,
+    resume_from_checkpoint=True,
     progress_bar=not SMALL,
 )
 print("stopped:", result.stop_reason or "finished", "| last evaluation:", result.eval_metrics)

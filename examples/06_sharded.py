@@ -90,7 +90,7 @@ def main() -> None:
             eval_step=eval_step,
             eval_data=val_set,
             checkpoints=ShardedCheckpointManager(args.out, sharding, max_to_keep=2),
-            resume=True,
+            resume_from_checkpoint=True,
             progress_bar=False,
         )
 

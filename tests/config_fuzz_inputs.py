@@ -22,7 +22,7 @@ optimizer:
   weight_decay: 0.01
   args: {betas: [0.9, 0.999], eps: 1.0e-8}
 scheduler: {name: warmup_cosine, warmup_ratio: 0.1}
-loss: {name: CrossEntropyLoss, args: {label_smoothing: 0.1}}
+criterion: {name: CrossEntropyLoss, args: {label_smoothing: 0.1}}
 max_grad_norm: 1.0
 metrics: [accuracy]
 eval_strategy: epoch

@@ -65,11 +65,11 @@ def train(
         batch_size=batch_size,
         max_steps=max_steps,
         eval_every=None,
-        log_every=5,
+        log_steps=5,
         progress_bar=False,
         checkpoints=checkpoints,
         save_every=5 if checkpoints else None,
-        resume=resume,
+        resume_from_checkpoint=resume,
     )
 
 

@@ -298,8 +298,8 @@ def fit_resume(out: dict, directory: str) -> None:
         step = ft.jit(ft.make_train_step(model, LOSS, sharding=sharding), compile=False)
         manager = None if folder is None else ckpt.ShardedCheckpointManager(folder, sharding)
         return ft.fit(
-            state, step, examples, batch_size=4, max_steps=max_steps, progress=False, log_every=2,
-            checkpoints=manager, save_every=2 if manager else None, resume=resume,
+            state, step, examples, batch_size=4, max_steps=max_steps, progress_bar=False, log_steps=2,
+            checkpoints=manager, save_every=2 if manager else None, resume_from_checkpoint=resume,
         ).state  # fmt: skip
 
     straight = run(6, None, False)

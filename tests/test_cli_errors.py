@@ -269,7 +269,7 @@ def test_config_reading_with_imports_deferred_imports_no_torch(project: Path):
         "from functrain.config import ConfigError, TrainerConfig\n"
         "from functrain.config.imports import deferred_imports\n"
         "with deferred_imports():\n"
-        "    config = TrainerConfig.from_yaml('run.yaml').with_overrides(['loss=MSELoss', 'test_dataset=m:t'])\n"
+        "    config = TrainerConfig.from_yaml('run.yaml').with_overrides(['criterion=MSELoss', 'test_dataset=m:t'])\n"
         "    try:\n"
         "        TrainerConfig.from_yaml('run.yaml').with_overrides(['epochs=0'])\n"
         "    except ConfigError as err:\n"

@@ -41,11 +41,15 @@ BAD_CONFIGS: list[tuple[dict[str, Any], str, str]] = [
     # unknown names
     ({"epochs": 1, "optimizer": {"name": "adamm"}}, "optimizer.name", "did you mean 'adam'"),
     ({"epochs": 1, "scheduler": {"name": "cosin"}}, "scheduler.name", "did you mean 'cosine'"),
-    ({"epochs": 1, "loss": {"name": "CrossEntropyLos"}}, "loss.name", "did you mean 'CrossEntropyLoss'"),
-    ({"epochs": 1, "loss": "MSELos"}, "loss.name", "'MSELoss'"),
     (
-        {"epochs": 1, "loss": {"args": {"label_smoothin": 0.1}}},
-        "loss.args.label_smoothin",
+        {"epochs": 1, "criterion": {"name": "CrossEntropyLos"}},
+        "criterion.name",
+        "did you mean 'CrossEntropyLoss'",
+    ),
+    ({"epochs": 1, "criterion": "MSELos"}, "criterion.name", "'MSELoss'"),
+    (
+        {"epochs": 1, "criterion": {"args": {"label_smoothin": 0.1}}},
+        "criterion.args.label_smoothin",
         "'label_smoothing'",
     ),
     ({"epochs": 1, "eval_strategy": "step"}, "eval_strategy", "did you mean 'steps'"),
@@ -156,10 +160,14 @@ BAD_CONFIGS: list[tuple[dict[str, Any], str, str]] = [
     ),
     ({"epochs": 1, "eval_dataset": {"args": [1]}}, "eval_dataset.target", "missing"),
     ({"epochs": 1, "test_dataset": {"target": "math:pi", "args": 3}}, "test_dataset.args", "must be a list"),
-    ({"epochs": 1, "loss": {"name": "torch.nn:NoSuchLoss"}}, "loss.name", "has no attribute 'NoSuchLoss'"),
+    (
+        {"epochs": 1, "criterion": {"name": "torch.nn:NoSuchLoss"}},
+        "criterion.name",
+        "has no attribute 'NoSuchLoss'",
+    ),
     # a torch optimizer argument goes to the pass-through args, not "remove it"
     ({"epochs": 1, "optimizer": {"betas": [0.9, 0.95]}}, "optimizer.betas", "move it into optimizer.args"),
-    ({"epochs": 1, "loss": {"reduction": "sum"}}, "loss.reduction", "loss.args.reduction=..."),
+    ({"epochs": 1, "criterion": {"reduction": "sum"}}, "criterion.reduction", "criterion.args.reduction=..."),
     # the same words in another order beat edit distance
     (
         {"epochs": 1, "scheduler": {"name": "cosine_warmup"}},
@@ -263,9 +271,11 @@ def test_metrics_forms_normalize_to_one_mapping() -> None:
 
 
 def test_shorthands_for_sections() -> None:
-    config = TrainerConfig(epochs=1, optimizer="sgd", scheduler="cosine", loss="MSELoss", early_stopping=True)
+    config = TrainerConfig(
+        epochs=1, optimizer="sgd", scheduler="cosine", criterion="MSELoss", early_stopping=True
+    )
     assert config.optimizer == OptimizerConfig(name="sgd")
-    assert config.scheduler.name == "cosine" and config.loss.name == "MSELoss"
+    assert config.scheduler.name == "cosine" and config.criterion.name == "MSELoss"
     assert config.early_stopping == EarlyStoppingConfig()
 
 
@@ -312,7 +322,7 @@ def _rich_config() -> TrainerConfig:
         batch_size=8,
         optimizer={"name": "adamw", "lr": 3e-4, "weight_decay": 0.01, "args": {"betas": [0.9, 0.95]}},
         scheduler={"name": "warmup_cosine", "warmup_ratio": 0.1},
-        loss={"name": "CrossEntropyLoss", "args": {"label_smoothing": 0.1}},
+        criterion={"name": "CrossEntropyLoss", "args": {"label_smoothing": 0.1}},
         metrics={"accuracy": {"top_k": 1}},
         eval_strategy="steps",
         eval_steps=50,
@@ -435,13 +445,13 @@ def test_help_lists_every_field_with_type_default_and_meaning() -> None:
 
 
 def test_every_field_has_a_help_string() -> None:
-    from functrain.config.sections import FreezeConfig, LossConfig, SchedulerConfig
+    from functrain.config.sections import CriterionConfig, FreezeConfig, SchedulerConfig
 
     for cls in (
         TrainerConfig,
         OptimizerConfig,
         SchedulerConfig,
-        LossConfig,
+        CriterionConfig,
         EarlyStoppingConfig,
         FreezeConfig,
     ):

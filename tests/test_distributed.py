@@ -146,7 +146,7 @@ def test_fit_saves_the_layout_and_refuses_a_resume_with_another_global_batch(tmp
             max_steps=4,
             progress_bar=False,
             checkpoints=str(tmp_path),
-            resume=True,
+            resume_from_checkpoint=True,
         )
 
 

@@ -52,7 +52,7 @@ def test_fit_records_every_members_scalars_and_evaluates_each_member(tmp_path):
         epochs=2,
         eval_step=eval_step,
         eval_data=data,
-        log_every=3,
+        log_steps=3,
         loggers=[
             ft.logging.JSONLWriter(tmp_path),
             ft.logging.CSVWriter(tmp_path),
@@ -144,11 +144,11 @@ def _run(run_dir, stop_at=None, resume=False):
         eval_step=eval_step,
         eval_data=data,
         eval_every=4,
-        log_every=5,
+        log_steps=5,
         callbacks=[_StopAt(stop_at)],
         loggers=[ft.logging.JSONLWriter(run_dir)],
         checkpoints=run_dir / "ckpt",
-        resume=resume,
+        resume_from_checkpoint=resume,
         progress_bar=False,
     )
 

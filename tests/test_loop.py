@@ -83,7 +83,9 @@ def test_events_fire_in_the_documented_order(tmp_path):
     assert names == ["train_begin", *one_epoch, *one_epoch, "train_end"]
     # resuming fires checkpoint_restored right after train_begin, and continues at the saved step
     rec2 = Recorder()
-    result = ft.fit(state, train_step, dataset(40), epochs=3, resume=True, callbacks=[rec2], **run)
+    result = ft.fit(
+        state, train_step, dataset(40), epochs=3, resume_from_checkpoint=True, callbacks=[rec2], **run
+    )
     assert rec2.events[:3] == [("train_begin", 6), ("checkpoint_restored", 6), ("epoch_begin", 6)]
     assert int(result.state.step) == 9
 
@@ -161,7 +163,7 @@ def test_logs_reach_jsonl_csv_and_tensorboard(tmp_path):
         dataset(48),
         batch_size=8,
         epochs=2,
-        log_every=4,
+        log_steps=4,
         eval_step=eval_step,
         eval_data=dataset(16),
         callbacks=[ft.callbacks.LearningRateMonitor()],
@@ -251,7 +253,9 @@ def _early_stopped_run(tmp_path, **extra):
 
 def test_resume_of_an_early_stopped_run_returns_it_at_once_and_says_why(tmp_path):
     state, train_step, stopper, run = _early_stopped_run(tmp_path)
-    first = ft.fit(state, train_step, dataset(40), epochs=10, callbacks=[stopper], resume=True, **run)
+    first = ft.fit(
+        state, train_step, dataset(40), epochs=10, callbacks=[stopper], resume_from_checkpoint=True, **run
+    )
     # the first evaluation sets `best`, then two without improvement: stopped after epoch 3 (5 steps each)
     assert int(first.state.step) == 15 and first.stop_reason.startswith("early stopping")
     logs = (tmp_path / "logs" / "metrics.jsonl").read_text()
@@ -262,7 +266,15 @@ def test_resume_of_an_early_stopped_run_returns_it_at_once_and_says_why(tmp_path
     with pytest.warns(
         ft.RunFinishedWarning, match=r"stopped for good at step 15: early stopping.*additional_epochs"
     ):
-        again = ft.fit(state, train_step, dataset(40), epochs=10, callbacks=[stopper2], resume=True, **run)
+        again = ft.fit(
+            state,
+            train_step,
+            dataset(40),
+            epochs=10,
+            callbacks=[stopper2],
+            resume_from_checkpoint=True,
+            **run,
+        )
     assert int(again.state.step) == 15 and again.stop_reason == first.stop_reason
     assert (tmp_path / "logs" / "metrics.jsonl").read_text() == logs  # nothing appended
     assert ft.checkpoint.CheckpointManager(tmp_path / "ckpt").all_steps() == saved
@@ -271,7 +283,13 @@ def test_resume_of_an_early_stopped_run_returns_it_at_once_and_says_why(tmp_path
     # an explicit request trains on: one more epoch from step 15
     run["loggers"] = [ft.logging.JSONLWriter(tmp_path / "logs")]
     more = ft.fit(
-        state, train_step, dataset(40), additional_epochs=1, callbacks=[stopper2], resume=True, **run
+        state,
+        train_step,
+        dataset(40),
+        additional_epochs=1,
+        callbacks=[stopper2],
+        resume_from_checkpoint=True,
+        **run,
     )
     assert int(more.state.step) == 20
 
@@ -291,14 +309,17 @@ def test_resume_of_a_run_that_reached_its_length_trains_nothing(tmp_path):
             train_step,
             dataset(40),
             epochs=2,
-            resume=True,
+            resume_from_checkpoint=True,
             loggers=[ft.logging.JSONLWriter(tmp_path / "l")],
             **run,
         )
     assert int(again.state.step) == 10 and again.stop_reason == ""
     assert (tmp_path / "l" / "metrics.jsonl").read_text() == logs
     assert torch.equal(again.state.params["0.weight"], first.state.params["0.weight"])
-    assert int(ft.fit(state, train_step, dataset(40), epochs=3, resume=True, **run).state.step) == 15
+    assert (
+        int(ft.fit(state, train_step, dataset(40), epochs=3, resume_from_checkpoint=True, **run).state.step)
+        == 15
+    )
 
 
 def test_fit_again_on_a_finished_state_warns_and_additional_epochs_trains_more():
@@ -328,7 +349,9 @@ def test_a_non_final_stop_leaves_the_run_resumable(tmp_path):
                 ctx.control.stop("paused", final=False)
             return state
 
-    run = dict(batch_size=8, epochs=2, checkpoints=tmp_path / "ckpt", resume=True, progress_bar=False)
+    run = dict(
+        batch_size=8, epochs=2, checkpoints=tmp_path / "ckpt", resume_from_checkpoint=True, progress_bar=False
+    )
     assert ft.fit(state, train_step, dataset(40), callbacks=[Pause()], **run).stop_reason == "paused"
     assert int(ft.fit(state, train_step, dataset(40), **run).state.step) == 10
 
@@ -361,7 +384,7 @@ def test_timer_counts_a_step_compiled_before_this_fit_as_compiled():
 
     compiled_earlier.num_compiles = 1  # as a CompiledStep that compiled in an earlier fit
     result = ft.fit(
-        state, compiled_earlier, dataset(40), batch_size=8, epochs=1, log_every=2, progress_bar=False,
+        state, compiled_earlier, dataset(40), batch_size=8, epochs=1, log_steps=2, progress_bar=False,
         callbacks=[ft.callbacks.Timer()],
     )  # fmt: skip
     assert [s for s, _ in result.history.series("time/eta_s")][:1] == [2]

@@ -77,7 +77,7 @@ class SkippedSteps(Callback):
     """Count the steps :func:`skip_nonfinite` skipped, log the total as ``train/skipped_steps``, and raise
     :class:`NonFiniteLossError` once ``max_consecutive`` steps in a row were skipped.
 
-    The counts stay on the device; they are read when the loop logs (``log_every``), so a run that
+    The counts stay on the device; they are read when the loop logs (``log_steps``), so a run that
     diverged ends at the first logging step after its ``max_consecutive``-th skip in a row, with the
     parameters of its last finite step. ``every_step=True`` reads them after every step (one host sync
     per step) and raises at the skipped step itself. ``max_consecutive=None`` never raises.

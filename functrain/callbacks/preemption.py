@@ -13,7 +13,7 @@ __all__ = ["Preemption"]
 class Preemption(Callback):
     """On SIGTERM (a scheduler's preemption) or SIGINT (Ctrl-C), finish the current step, save a
     checkpoint and stop. ``fit`` then returns with ``result.preempted``; run it again with
-    ``resume=True`` to continue exactly where it stopped.
+    ``resume_from_checkpoint=True`` to continue exactly where it stopped.
 
     The handlers are installed at train begin and the previous ones restored at train end.
 

@@ -88,7 +88,7 @@ class PrintMetrics(Callback):
     """Print the logged values every ``every`` steps (Towhee's ``print_steps``) and after evaluations.
 
     Example:
-        >>> ft.fit(state, step, data, batch_size=32, epochs=1, log_every=10, progress_bar=False,
+        >>> ft.fit(state, step, data, batch_size=32, epochs=1, log_steps=10, progress_bar=False,
         ...        callbacks=[PrintMetrics(every=10)])
     """
 

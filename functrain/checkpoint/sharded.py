@@ -408,7 +408,7 @@ class ShardedCheckpointManager:
 
     Example:
         >>> manager = ShardedCheckpointManager("runs/a", distributed.fully_shard())  # doctest: +SKIP
-        >>> result = ft.fit(state, step, data, checkpoints=manager, resume=True)  # doctest: +SKIP
+        >>> result = ft.fit(state, step, data, checkpoints=manager, resume_from_checkpoint=True)  # doctest: +SKIP
     """
 
     def __init__(

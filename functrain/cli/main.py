@@ -321,7 +321,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(build_parser(), argv)  # a bad command line: argparse's usage and status 2
     debug = debug_requested(args.debug)
     try:
-        status = int(args.func(args) or 0)
+        with warnings.catch_warnings():
+            _show_config_deprecations(args.command)
+            status = int(args.func(args) or 0)
         sys.stdout.flush()  # a short output meets a closed pipe only here
         return status
     except BrokenPipeError:
@@ -333,6 +335,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return report(args.command, err, 2, debug=debug)
     except Exception as err:
         return report(args.command, err, 1, debug=debug)
+
+
+def _show_config_deprecations(command: str) -> None:
+    """A run.yaml's deprecated field names, once each, as one ``functrain COMMAND:`` line (Python hides
+    a ``DeprecationWarning`` raised outside ``__main__``). Call inside ``warnings.catch_warnings()``."""
+    warnings.filterwarnings("always", message="the config field", category=DeprecationWarning)
+    show, shown = warnings.showwarning, set()
+
+    def show_config_first(message: Any, category: Any, *rest: Any, **kwargs: Any) -> None:
+        if category is DeprecationWarning and str(message).startswith("the config field"):
+            if str(message) not in shown:  # the config is read more than once (checks, then the run)
+                shown.add(str(message))
+                print(f"functrain {command}: {message}", file=sys.stderr)
+        else:
+            show(message, category, *rest, **kwargs)
+
+    warnings.showwarning = show_config_first
 
 
 def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:

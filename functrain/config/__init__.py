@@ -5,7 +5,7 @@ settings made meaningless by another one are refused. All problems of a config a
 in a single :class:`ConfigError` (a ``ValueError``), each naming its dotted field path and the fix.
 
 - :class:`TrainerConfig` with sections :class:`OptimizerConfig`, :class:`SchedulerConfig`,
-  :class:`LossConfig`, :class:`EarlyStoppingConfig`, :class:`FreezeConfig`;
+  :class:`CriterionConfig`, :class:`EarlyStoppingConfig`, :class:`FreezeConfig`;
 - ``from_dict`` / ``to_dict``, ``from_yaml`` / ``to_yaml`` / ``save``, ``with_overrides``;
 - :func:`config_help` for ``functrain train --help-config``;
 - :func:`resolve_object` for import specs (``"package.module:attr"`` or ``{target, args, kwargs}``);
@@ -28,6 +28,7 @@ from functrain.config.help import config_help
 from functrain.config.imports import ImportSpec, add_import_dirs, build_object, resolve_object
 from functrain.config.names import OPTIMIZER_NAMES, SCHEDULER_NAMES, metric_mode
 from functrain.config.sections import (
+    CriterionConfig,
     EarlyStoppingConfig,
     EmaConfig,
     FreezeConfig,
@@ -41,6 +42,7 @@ __all__ = [
     "OPTIMIZER_NAMES",
     "SCHEDULER_NAMES",
     "ConfigError",
+    "CriterionConfig",
     "EarlyStoppingConfig",
     "EmaConfig",
     "FreezeConfig",

@@ -23,7 +23,7 @@ __all__ = ["SECURITY_NOTE", "config_help"]
 
 SECURITY_NOTE = """\
 Security: a config file is code. Its import specs ('module:attr' and {target: 'module:attr', args: [...],
-kwargs: {...}}: model, the datasets, and loss.name given as a spec) import the named modules and call
+kwargs: {...}}: model, the datasets, and criterion.name given as a spec) import the named modules and call
 what they name ({target: 'os:system', args: [...]} runs a shell command), and validating the config
 already imports those modules. Trust a config file as you would a Python script. Set
 FUNCTRAIN_ALLOWED_MODULES=mod1,mod2 to allow only those modules (and their submodules) in specs: a

@@ -64,7 +64,6 @@ RENAMED_FIELDS: dict[str, str] = {
     "log_period": "log_steps",
     "evaluation_strategy": "eval_strategy",
     "greater_is_better": "best_model_mode",
-    "criterion": "loss",
 }
 
 # Whole names (lower case, separators removed) whose direction is known; anything else ending in

@@ -1,7 +1,7 @@
 """The nested sections of `TrainerConfig`: optimizer, scheduler, loss, early stopping, freezing, EMA.
 
 Each section may also be written as a shorthand in YAML or on the command line: ``optimizer: sgd``,
-``scheduler: cosine``, ``loss: MSELoss`` (a name), ``early_stopping: true`` (the defaults),
+``scheduler: cosine``, ``criterion: MSELoss`` (a name), ``early_stopping: true`` (the defaults),
 ``freeze: [encoder.*]`` (name patterns), ``ema: 0.999`` (a decay) or ``ema: true`` (the defaults).
 
 Example:
@@ -24,6 +24,7 @@ from functrain.config.names import OPTIMIZER_NAMES, SCHEDULER_NAMES, metric_mode
 from functrain.config.section import ConfigSection, config_section, option, rule
 
 __all__ = [
+    "CriterionConfig",
     "EarlyStoppingConfig",
     "EmaConfig",
     "FreezeConfig",
@@ -187,14 +188,15 @@ def torch_loss_names() -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
-@config_section("loss")
-class LossConfig(ConfigSection):
-    """The loss: a ``torch.nn`` loss class by name, or an import spec ``"package.module:attr"``.
+@config_section("criterion")
+class CriterionConfig(ConfigSection):
+    """The criterion ``(preds, target) -> loss``: a ``torch.nn`` loss class by name, or an import spec
+    ``"package.module:attr"`` (``Trainer(criterion=)`` is the same thing given as an object).
 
     ``args`` are checked against the class's signature, so a misspelled argument fails here.
 
     Example:
-        >>> LossConfig(name="CrossEntropyLoss", args={"label_smoothing": 0.1}).args
+        >>> CriterionConfig(name="CrossEntropyLoss", args={"label_smoothing": 0.1}).args
         {'label_smoothing': 0.1}
     """
 
@@ -215,7 +217,7 @@ class LossConfig(ConfigSection):
             return
         if ":" in self.name:
             try:
-                loss_class = check_import_spec(self.name, "loss.name")
+                loss_class = check_import_spec(self.name, "criterion.name")
             except ConfigError as err:
                 yield from err.problems
                 return
@@ -224,9 +226,12 @@ class LossConfig(ConfigSection):
 
             loss_class = getattr(torch.nn, self.name, None)
             if self.name not in torch_loss_names():  # also refuses non-loss modules such as Linear
-                yield _name_problem("loss.name", self.name, torch_loss_names(), "torch.nn loss")
+                yield _name_problem("criterion.name", self.name, torch_loss_names(), "torch.nn loss")
                 return
-        yield from _args_fit_signature(loss_class, self.args, "loss.args")
+        yield from _args_fit_signature(loss_class, self.args, "criterion.args")
+
+
+LossConfig = CriterionConfig  # the deprecated name (the field was ``loss``); goes in the next release
 
 
 def _args_fit_signature(target: Any, args: Mapping[str, Any], path: str) -> Iterable[Problem]:

@@ -34,10 +34,10 @@ from functrain.config.names import metric_mode
 from functrain.config.overrides import apply_well_formed_overrides
 from functrain.config.section import ConfigSection, config_section, option, rule
 from functrain.config.sections import (
+    CriterionConfig,
     EarlyStoppingConfig,
     EmaConfig,
     FreezeConfig,
-    LossConfig,
     OptimizerConfig,
     SchedulerConfig,
 )
@@ -158,7 +158,7 @@ def _false_is_off(value: Any, path: str) -> Any:
     return None if value is False else value
 
 
-@config_section("")
+@config_section("", deprecated={"loss": "criterion"})
 class TrainerConfig(ConfigSection):
     """Everything a ``Trainer`` run is configured with; built from keywords, a mapping or YAML.
 
@@ -201,7 +201,10 @@ class TrainerConfig(ConfigSection):
     # -- optimization
     optimizer: OptimizerConfig = option(default_factory=OptimizerConfig, doc="The optimizer.")
     scheduler: SchedulerConfig = option(default_factory=SchedulerConfig, doc="The learning-rate schedule.")
-    loss: LossConfig = option(default_factory=LossConfig, doc="The loss.")
+    criterion: CriterionConfig = option(
+        default_factory=CriterionConfig,
+        doc="The criterion(preds, target) for (inputs, target) batches; 'loss' is its deprecated name.",
+    )
     gradient_accumulation_steps: int = option(
         1, doc="Batches whose gradients make one optimizer step.", minimum=1
     )
@@ -372,6 +375,8 @@ class TrainerConfig(ConfigSection):
         """
         text, where = read_yaml_source(source)
         data, lines = load_yaml_mapping_with_lines(text, where)
+        for old, new in cls.__config_deprecated__.items():  # `loss.name: ...` is reported as criterion.name
+            lines.update({new + p[len(old) :]: n for p, n in lines.items() if p.split(".")[0] == old})
         try:
             return cls.from_dict(data)
         except ConfigError as err:

@@ -15,7 +15,7 @@ A script that runs with ``python train.py`` runs unchanged with ``torchrun --npr
         eval_step = ft.jit(ft.make_eval_step(model, loss_fn, metrics=metrics))
         result = ft.fit(state, train_step, train_set, batch_size=32, epochs=3,   # per-rank batch size
                         eval_step=eval_step, eval_data=val_set,
-                        checkpoints="ckpt", resume=True)
+                        checkpoints="ckpt", resume_from_checkpoint=True)
 
 What each piece guarantees:
 

@@ -6,12 +6,12 @@ The loop: the batches, the step, and the :class:`Run` before and after it
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
+from functrain._deprecated import renamed_argument
 from functrain.callbacks.base import Callback
 from functrain.logging import History
 from functrain.loop.length import RunLength
@@ -35,15 +35,17 @@ def fit(
     batch_size: int | None = None,
     eval_batch_size: int | None = None,
     eval_every: int | str | None = "epoch",
-    log_every: int = 50,
+    log_steps: int = 50,
     callbacks: Iterable[Callback] = (),
     loggers: Iterable[Any] = (),
     checkpoints: Any = None,
     save_every: int | str | None = None,
-    resume: bool | int | str = False,
+    resume_from_checkpoint: bool | int | str = False,
     progress_bar: bool = True,
     history: History | None = None,
     progress: bool | None = None,
+    log_every: int | None = None,
+    resume: bool | int | str | None = None,
 ) -> FitResult:
     """Train: fold ``train_step`` over ``train_data`` for ``epochs`` or ``max_steps`` optimizer steps.
 
@@ -65,37 +67,38 @@ def fit(
             continue a run that was stopped for good (by early stopping); rerunning the same call trains
             more again.
         eval_every: a number of steps, ``"epoch"`` or ``None``.
-        log_every: log (and sync the host) every this many steps; also at epoch ends.
+        log_steps: log (and sync the host) every this many optimizer steps; also at epoch ends
+            (``TrainerConfig.log_steps``).
         callbacks: :class:`functrain.callbacks.Callback` objects for this run.
         loggers: writers with ``write(step, scalars)`` (``functrain.logging``: console, JSONL, CSV,
             TensorBoard).
         checkpoints: a :class:`functrain.checkpoint.CheckpointManager` (or a directory for one).
         save_every: a number of steps, ``"epoch"`` or ``None``; the final state is saved too.
-        resume: ``True`` resumes from the latest checkpoint if there is one (else starts fresh), a step
+        resume_from_checkpoint: ``True`` resumes from the latest checkpoint if there is one (else starts fresh), a step
             number or ``"best"`` from that checkpoint, a path from that checkpoint file; ``False`` starts
             fresh. A resumed run that had ended (its length reached, early stopping or another final stop
             request) returns its final state at once, trains and logs nothing, and warns why
             (:class:`RunFinishedWarning`). Without resume, a state that has already taken steps continues
-            the data stream where its step count puts it.
+            the data stream where its step count puts it. (``TrainerConfig.resume_from_checkpoint``, and
+            Hugging Face's ``Trainer.train(resume_from_checkpoint=)``.)
         progress_bar: show a progress bar (``tqdm.auto``: terminal and notebook), as
             ``TrainerConfig.progress_bar``.
-        progress: deprecated alias of ``progress_bar`` (a ``DeprecationWarning``; removed in the next
-            release).
+        progress, log_every, resume: deprecated names of ``progress_bar``, ``log_steps`` and
+            ``resume_from_checkpoint`` (a ``DeprecationWarning``; removed in the next release).
 
     Returns:
         :class:`FitResult` with the final state, the history and the last evaluation.
 
     Example:
         >>> result = ft.fit(state, train_step, train_set, batch_size=32, epochs=3,
-        ...                 eval_step=eval_step, eval_data=val_set, checkpoints="runs/ckpt", resume=True)
+        ...                 eval_step=eval_step, eval_data=val_set, checkpoints="runs/ckpt",
+        ...                 resume_from_checkpoint=True)
     """
-    if progress is not None:
-        warnings.warn(
-            "fit(progress=...) is deprecated: use progress_bar=..., the name TrainerConfig and the CLI use",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        progress_bar = progress
+    progress_bar = renamed_argument("fit", "progress", progress, "progress_bar", progress_bar, default=True)
+    log_steps = renamed_argument("fit", "log_every", log_every, "log_steps", log_steps, default=50)
+    resume_from_checkpoint = renamed_argument(
+        "fit", "resume", resume, "resume_from_checkpoint", resume_from_checkpoint, default=False
+    )
     length = RunLength(epochs, max_steps, additional_epochs, additional_steps)
     run = Run.open(
         state,
@@ -107,7 +110,7 @@ def fit(
         batch_size=batch_size,
         eval_batch_size=eval_batch_size,
         eval_every=eval_every,
-        log_every=log_every,
+        log_steps=log_steps,
         save_every=save_every,
         callbacks=callbacks,
         loggers=loggers,
@@ -115,7 +118,7 @@ def fit(
         progress_bar=progress_bar,
         history=history,
     )
-    state = run.begin(run.resume(state, resume))
+    state = run.begin(run.resume(state, resume_from_checkpoint))
     try:
         for batch in run.batches():
             state = run.before_step(state, batch)  # epoch_begin, step_begin

@@ -51,7 +51,7 @@ class Run:
         self.spec = spec_of(train_step)
         self.eval_step: Any = fields["eval_step"]
         self.eval_data, self.eval_batch_size = fields["eval_data"], fields["eval_batch_size"]
-        self.log_every: int = fields["log_every"]
+        self.log_steps: int = fields["log_steps"]
         self.eval_every: Every = fields["eval_every"]
         self.save_every: Every = fields["save_every"]
         self.callbacks: list[Callback] = fields["callbacks"]
@@ -65,7 +65,7 @@ class Run:
         self.naming = self.spec.naming(fields["state"])
         self.window = Window(self.naming)
         self.position = DataPosition()
-        self.ctx = Context(batches_per_epoch=self.bpe, log_every=self.log_every, history=self.history)
+        self.ctx = Context(batches_per_epoch=self.bpe, log_steps=self.log_steps, history=self.history)
         jit = sys.modules.get("functrain.jit")  # loaded wherever a step is a CompiledStep
         compiled = jit.CompiledStep if jit is not None else ()
         self.compiled = [s for s in (train_step, self.eval_step) if isinstance(s, compiled)]
@@ -95,7 +95,7 @@ class Run:
         batch_size: int | None,
         eval_batch_size: int | None,
         eval_every: int | str | None,
-        log_every: int,
+        log_steps: int,
         save_every: int | str | None,
         callbacks: Iterable[Callback],
         loggers: Iterable[Any],
@@ -106,8 +106,8 @@ class Run:
         """Check the arguments and open the training data: every refusal comes before the first step."""
         from functrain.callbacks.progress import ProgressBar
 
-        if not isinstance(log_every, int) or isinstance(log_every, bool) or log_every < 1:
-            raise ValueError(f"fit: log_every must be a positive int, got {log_every!r}")
+        if not isinstance(log_steps, int) or isinstance(log_steps, bool) or log_steps < 1:
+            raise ValueError(f"fit: log_steps must be a positive int, got {log_steps!r}")
         if (eval_step is None) != (eval_data is None):
             raise ValueError("fit: eval_step and eval_data go together (give both or neither)")
         evals = Every.parse(eval_every if eval_step is not None else None, "eval_every")
@@ -143,7 +143,7 @@ class Run:
             eval_step=eval_step,
             eval_data=eval_data,
             eval_batch_size=eval_batch_size or batch_size,
-            log_every=log_every,
+            log_steps=log_steps,
             eval_every=evals,
             save_every=saves,
             callbacks=callbacks,
@@ -261,7 +261,7 @@ class Run:
         ctx.compiles = self.compiles()
         self.window.add(metrics)
         epoch_done = self.bpe is not None and index == self.bpe
-        ctx.logging_step = self.step % self.log_every == 0 or epoch_done or self.step >= self.total
+        ctx.logging_step = self.step % self.log_steps == 0 or epoch_done or self.step >= self.total
         state = self.events("step_end", state, ctx)
         ctx.previous_state = None
         control = ctx.control

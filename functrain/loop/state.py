@@ -51,5 +51,5 @@ class FitResult:
 
     @property
     def preempted(self) -> bool:
-        """True when a signal ended the run (resume it with ``resume=True``)."""
+        """True when a signal ended the run (resume it with ``resume_from_checkpoint=True``)."""
         return self.stop_reason.startswith("preempted")

@@ -11,13 +11,13 @@ Example:
 from __future__ import annotations
 
 import inspect
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from functrain._deprecated import renamed_argument
 from functrain.step import _INPUT_KEYS, _inputs_and_target
 
 __all__ = ["criterion_argument", "forward_takes_labels", "labels_loss", "output_field", "predict_forward"]
@@ -31,16 +31,7 @@ def criterion_argument(criterion: Any, loss: Any, loss_fn: Any) -> Any:
         >>> criterion_argument(None, None, None) is None
         True
     """
-    if loss is not None:
-        warnings.warn(
-            "Trainer(loss=...) is deprecated: it is the criterion(preds, target); pass criterion=... "
-            "(or loss_fn=(model, batch) -> loss for the whole loss)",
-            DeprecationWarning,
-            stacklevel=3,  # the caller of Trainer(...)
-        )
-        if criterion is not None:
-            raise TypeError("Trainer: give criterion=... only (loss= is its deprecated name)")
-        criterion = loss
+    criterion = renamed_argument("Trainer", "loss", loss, "criterion", criterion, default=None, stacklevel=4)
     if loss_fn is not None and criterion is not None:
         raise TypeError(
             "Trainer: give loss_fn(model, batch) or criterion(preds, target), not both (loss_fn "

@@ -184,17 +184,17 @@ def optimizer(
 
 
 def criterion(config: TrainerConfig) -> Callable[[Any, Any], torch.Tensor]:
-    """``config.loss``: a ``torch.nn`` loss by name, or an import spec (``"pkg.module:Loss"``).
+    """``config.criterion``: a ``torch.nn`` loss by name, or an import spec (``"pkg.module:Loss"``).
 
     Example:
-        >>> criterion(TrainerConfig(max_steps=1, loss="MSELoss"))
+        >>> criterion(TrainerConfig(max_steps=1, criterion="MSELoss"))
         MSELoss()
     """
-    name, args = config.loss.name, dict(config.loss.args)
+    name, args = config.criterion.name, dict(config.criterion.args)
     if ":" in name:
         from functrain.config import resolve_object
 
-        cls = resolve_object(name, path="loss.name")
+        cls = resolve_object(name, path="criterion.name")
     else:
         cls = getattr(nn, name)
     return cls(**args) if isinstance(cls, type) else cls
@@ -446,16 +446,16 @@ _EVERY: dict[str, Callable[[int | None], int | str | None]] = {
 
 
 def every(config: TrainerConfig) -> dict[str, int | str | None]:
-    """``fit``'s ``eval_every``, ``save_every`` and ``log_every`` from the config's strategies.
+    """``fit``'s ``eval_every``, ``save_every`` and ``log_steps`` from the config's strategies.
 
     Example:
         >>> every(TrainerConfig(max_steps=10, eval_strategy="steps", eval_steps=5, log_steps=2))
-        {'eval_every': 5, 'save_every': 'epoch', 'log_every': 2}
+        {'eval_every': 5, 'save_every': 'epoch', 'log_steps': 2}
     """
     return {
         "eval_every": _EVERY[config.eval_strategy](config.eval_steps),
         "save_every": _EVERY[config.save_strategy](config.save_steps),
-        "log_every": config.log_steps,
+        "log_steps": config.log_steps,
     }
 
 

@@ -57,7 +57,8 @@ class Trainer:
             trains on the output's ``loss``, with ``logits`` and ``labels`` for the metrics; other batches
             are ``(inputs, target)`` for ``criterion``.
         criterion: ``criterion(preds, target) -> loss`` for ``(inputs, target)`` batches; default:
-            ``config.loss`` (a Hugging Face model's own loss is used unless ``config.loss`` or this is set).
+            ``config.criterion`` (a Hugging Face model's own loss is used unless ``config.criterion`` or
+            this is set).
         loss: deprecated alias of ``criterion`` (a ``DeprecationWarning``; removed in the next release).
         optimizer: a :class:`functrain.optim.GradientTransformation`; default: ``config.optimizer`` and
             ``config.scheduler``.
@@ -90,7 +91,7 @@ class Trainer:
         self.loss_fn = loss_fn
         # A model that takes labels computes its own loss (Hugging Face); an explicit criterion wins.
         self.model_takes_labels = batches.forward_takes_labels(model)
-        explicit = criterion is not None or cfg.loss != type(cfg.loss)()
+        explicit = criterion is not None or cfg.criterion != type(cfg.criterion)()
         self.criterion = criterion if criterion is not None else build.criterion(cfg)
         self._use_model_loss = self.model_takes_labels and not explicit
         self.device = build.device(cfg)
@@ -211,7 +212,7 @@ class Trainer:
                 callbacks=[start, *build.callbacks(cfg, self.extra_callbacks)],
                 loggers=loggers,
                 checkpoints=manager,
-                resume=resume,
+                resume_from_checkpoint=resume,
                 progress_bar=cfg.progress_bar,
             )
         finally:  # also when training fails or is interrupted: W&B finishes its run, MLflow marks it

@@ -77,7 +77,7 @@ def config(output_dir: str = "runs/demo", **overrides: Any) -> Any:
         "seed": 0,
         "optimizer": {"name": "adamw", "lr": 3e-3, "weight_decay": 1e-4},
         "scheduler": {"name": "cosine", "warmup_ratio": 0.1},
-        "loss": {"name": "CrossEntropyLoss", "args": {"label_smoothing": 0.05}},
+        "criterion": {"name": "CrossEntropyLoss", "args": {"label_smoothing": 0.05}},
         "metrics": ["accuracy"],
         "metric_for_best_model": "accuracy",
         "load_best_model_at_end": True,

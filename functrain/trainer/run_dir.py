@@ -64,7 +64,8 @@ def start_callback(config: TrainerConfig, out: Path, model: nn.Module, frozen: s
 
 
 def resume_argument(config: TrainerConfig) -> Any:
-    """``fit``'s ``resume``: ``False``, ``True`` (the latest checkpoint) or an existing checkpoint's path."""
+    """``fit``'s ``resume_from_checkpoint``: ``False``, ``True`` (the latest checkpoint) or an existing
+    checkpoint's path."""
     r = config.resume_from_checkpoint
     if r is False or r is True:
         return r
