@@ -111,6 +111,23 @@ def _restored_rng(state: _RngState | None) -> Iterator[None]:
         yield
 
 
+def _autocast_state(device: torch.device | None) -> list[tuple[str, bool, torch.dtype]]:
+    """The autocast settings at a block's forward, for the CPU and the block's device. The backward
+    runs outside the step's ``torch.autocast`` block: without them the recomputation would run in
+    float32 where the forward ran in bf16, and the gradient would not be the forward's (as
+    ``torch.utils.checkpoint`` restores them too)."""
+    types = ["cpu"] + ([device.type] if device is not None and device.type not in ("cpu", "meta") else [])
+    return [(t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types]
+
+
+@contextlib.contextmanager
+def _autocast_as(state: list[tuple[str, bool, torch.dtype]]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for device_type, enabled, dtype in state:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+        yield
+
+
 class _RandomOps(TorchDispatchMode):
     """Records whether any operator that draws random numbers runs."""
 
@@ -194,12 +211,22 @@ def _modules_of(fn: Any, seen: set[int] | None = None) -> list[nn.Module]:
     return found
 
 
+def _outermost(modules: list[nn.Module]) -> list[nn.Module]:
+    """``modules`` without repeats and without those inside another one. A tensor reachable by two
+    paths would be swapped twice by one ``functional_call`` (``tie_weights`` follows both), and the
+    second swap's restore would leave the first swap's tensor in the module: after the step the model
+    would hold a state's tensor instead of its own parameter."""
+    unique = list({id(m): m for m in modules}.values())
+    inner = {id(sub) for m in unique for sub in m.modules() if sub is not m}
+    return [m for m in unique if id(m) not in inner]
+
+
 class _Holder(nn.Module):
     """Holds the modules a function reads, so ``functional_call`` can swap all their tensors at once."""
 
     def __init__(self, modules: list[nn.Module]) -> None:
         super().__init__()
-        self.held = nn.ModuleList(modules)
+        self.held = nn.ModuleList(_outermost(modules))
 
     def forward(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         return fn(*args, **kwargs)
@@ -271,9 +298,10 @@ def _apply(
             values[i] = t
         a, kw = torch_pytree.tree_unflatten(values[n_held:], spec)
         state = dict(zip(names, values[:n_held]))
-        out = torch.func.functional_call(
-            block._holder, state, (block._call, a, kw), tie_weights=True, strict=False
-        )
+        with _autocast_as(autocast):  # the backward's recomputation in the forward's precision
+            out = torch.func.functional_call(
+                block._holder, state, (block._call, a, kw), tie_weights=True, strict=False
+            )
         out_leaves, o_spec = torch_pytree.tree_flatten(out)
         if not out_spec:
             out_spec.append(o_spec)
@@ -289,6 +317,7 @@ def _apply(
     traced = _is_traced(diff_tensors)
     device = next((t.device for t in diff_tensors), None)
     rng = _RngState(device) if block.preserve_rng_state and not traced else None
+    autocast = _autocast_state(device)
     if traced:
         # Under compile the recomputation is traced once and the generator state restored at trace
         # time would not reach the graph: a dropout mask redrawn in the backward would differ from the

@@ -248,3 +248,48 @@ def test_function_closing_over_classes_and_modules() -> None:
     assert expected.keys() == got.keys()
     for name in expected:
         assert torch.equal(got[name], expected[name]), name
+
+
+class _TwoPaths(nn.Module):
+    """A rematerialised function that reads one block by two paths (the block, and its parent)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.ModuleDict({"block": Block()})
+        block, parent = self.inner["block"], self.inner
+        self.run = ft.remat(lambda x: block(x) + parent["block"].norm(x))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.run(x))
+
+
+def test_a_block_read_by_two_paths_leaves_the_model_its_own_params() -> None:
+    # One functional_call swapping a tensor by two names restored it in the wrong order: the model kept
+    # a state's tensor, and the next TrainState.create(model) started from it.
+    model = _model(_TwoPaths)
+    own = {k: (p, p.detach().clone()) for k, p in model.named_parameters()}
+    state = ft.TrainState.create(model, ft.optim.sgd(1.0))
+    step = ft.make_train_step(model, ft.supervised_loss(nn.functional.cross_entropy))
+    batch = (torch.randn(6, 8, dtype=torch.float64), torch.randint(0, 3, (6,)))
+    new, _ = step(step(state, batch)[0], batch)
+    assert not torch.equal(new.params["inner.block.norm.weight"], own["inner.block.norm.weight"][1])
+    for name, p in model.named_parameters():
+        assert p is own[name][0] and torch.equal(p, own[name][1]), name
+
+
+def test_recomputation_runs_in_the_forwards_autocast_precision() -> None:
+    # The backward runs outside the step's torch.autocast: a recomputation in float32 of a bf16 forward
+    # gave other gradients than the same step without remat.
+    torch.manual_seed(0)
+    plain, remat = Net("plain"), Net("remat")
+    remat.load_state_dict(plain.state_dict())
+    batch = (torch.randn(6, 8), torch.randint(0, 3, (6,)))
+    grads = []
+    for model in (plain, remat):
+        state = ft.TrainState.create(model, ft.optim.sgd(1.0))
+        step = ft.make_train_step(model, ft.supervised_loss(nn.functional.cross_entropy), precision="bf16")
+        new, _ = step(state, batch)
+        grads.append({k: state.params[k] - new.params[k] for k in new.params})
+    for name in grads[0]:
+        assert torch.equal(grads[1][name], grads[0][name]), name
