@@ -71,6 +71,49 @@ def test_one_process_blocks_step_equals_the_plain_step() -> None:
     assert float(eval_step(plain, batch)["loss"]) == pytest.approx(float(eval_step(state, batch)["loss"]))
 
 
+def test_bf16_blocks_compute_in_bf16_and_keep_float32_masters() -> None:
+    # param_dtype=bf16 with blocks: each block's params are gathered in float32 and cast inside the
+    # block's forward; the cast's backward hands float32 gradients to the reduce-scatter (FSDP2's policy:
+    # compute in bf16, reduce and update in float32). Against the bf16 step without blocks: the same
+    # bf16 arithmetic up to where the loss is weighted (before the backward here, after it there).
+    torch.manual_seed(0)
+    model = Transformer()
+    own = dict(model.named_parameters())
+    tx = ft.optim.sgd(0.1)  # linear in the gradients: Adam would turn rounding noise into lr-sized steps
+    runs = {
+        "blocks": distributed.fully_shard(blocks="auto", param_dtype=torch.bfloat16),
+        "plain": distributed.fully_shard(param_dtype=torch.bfloat16),
+        "float32": distributed.fully_shard(),
+    }
+    g = torch.Generator().manual_seed(0)
+    data = [
+        (torch.randint(0, 11, (6, 5), generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(4)
+    ]
+    out = {}
+    for name, sharding in runs.items():
+        state = ft.TrainState.create(model, tx, sharding=sharding)
+        step = ft.make_train_step(
+            model, LOSS, sharding=sharding, precision="bf16" if sharding.param_dtype else None
+        )
+        for batch in data:
+            state, m = step(state, batch)
+        assert all(v.dtype == torch.float32 for v in ft.tree.leaves(state.params)), name
+        out[name] = (state.state_dict(), float(m["loss"]))
+    # the model keeps its own parameters (a step that left a state's tensors in the blocks' slots made
+    # the next TrainState.create(model) start from trained weights)
+    assert all(p is own[k] for k, p in model.named_parameters())
+    blocks, plain, full = out["blocks"][0], out["plain"][0], out["float32"][0]
+
+    def gap(a: dict, b: dict) -> float:
+        return max(float((a[k] - b[k]).abs().max()) for k in a if a[k].is_floating_point())
+
+    # bf16 arithmetic (float32 would be within 1e-6 of the float32 run), and no further from the bf16
+    # step without blocks than bf16 is from float32
+    assert gap(blocks, full) > 1e-4, gap(blocks, full)
+    assert gap(blocks, plain) < 2 * gap(plain, full), (gap(blocks, plain), gap(plain, full))
+    assert out["blocks"][1] == pytest.approx(out["plain"][1], rel=1e-2)
+
+
 @pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
 def parity(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out_dir = str(tmp_path_factory.mktemp(f"blocks{request.param}"))

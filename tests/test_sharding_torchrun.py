@@ -78,6 +78,13 @@ def test_each_level_equals_one_process_on_the_union_batch(parity: list[dict], ca
         _within(out[case], F64)
 
 
+@pytest.mark.parametrize("level", ["optimizer", "grads", "params"])
+def test_a_donating_sharded_step_gives_the_same_state(parity: list[dict], level: str) -> None:
+    for out in parity:
+        _within(out[f"transformer/{level}/donate"], F64)
+        assert out[f"donate_vs_kept/{level}"] == 0.0, out[f"donate_vs_kept/{level}"]
+
+
 def test_accumulation_and_lamb_trust_ratio_are_exact(parity: list[dict]) -> None:
     for out in parity:
         _within(out["transformer/params/accumulate2"], F64)
