@@ -23,6 +23,7 @@ from trainer_fixtures import SmallNet, make_dataset, quiet_config
 import functrain as ft
 from functrain.checkpoint import sharded as ckpt
 from functrain.cli import main as cli
+from functrain.distributed.blocks import block_names
 
 HERE = Path(__file__).parent
 F64 = 1e-12
@@ -123,6 +124,75 @@ def test_one_process_holds_every_shard_and_trains_as_replicated(tmp_path: Path) 
     config = trainer.config.replace(epochs=3, resume_from_checkpoint=True)
     more = ft.Trainer(SmallNet(), config, make_dataset(60), make_dataset(20, seed=1))
     assert int(more.train().state.step) == 24  # resumed from step 16 of the sharded checkpoints
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x))
+
+
+class _Stack(torch.nn.Module):
+    """Repeated blocks (``layers``) between an input and an output layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.head = torch.nn.Linear(6, 8), torch.nn.Linear(8, 3)
+        self.layers = torch.nn.ModuleList(_Layer() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("blocks", [["auto"], ["_Layer"], ["layers.0", "layers.2"]])
+def test_sharding_blocks_from_the_config_train_as_without_them(tmp_path: Path, blocks: list) -> None:
+    def run(name: str, **fields: object) -> ft.Trainer:
+        config = quiet_config(
+            tmp_path / name,
+            epochs=2,
+            batch_size=8,
+            seed=3,
+            max_grad_norm=0.5,
+            sharding="params",
+            eval_strategy="no",
+            **fields,
+        )
+        torch.manual_seed(0)
+        trainer = ft.Trainer(_Stack().double(), config, _float64(make_dataset(40)))
+        trainer.train()
+        return trainer
+
+    plain, blocked = run("plain"), run("blocks", sharding_blocks=blocks)
+    expected = ("layers.0", "layers.2") if "layers.0" in blocks else ("layers.0", "layers.1", "layers.2")
+    assert block_names(_Stack(), blocked.sharding.blocks) == expected
+    assert plain.sharding.blocks is None
+    torch.testing.assert_close(blocked.state.params, plain.state.params, rtol=0, atol=1e-12)
+
+
+def _float64(dataset: torch.utils.data.TensorDataset) -> torch.utils.data.TensorDataset:
+    x, y = dataset.tensors
+    return torch.utils.data.TensorDataset(x.double(), y)
+
+
+def test_sharding_blocks_are_refused_without_sharded_params_or_with_unknown_names(tmp_path: Path) -> None:
+    with pytest.raises(ft.ConfigError) as caught:
+        ft.TrainerConfig(max_steps=1, sharding="optimizer", sharding_blocks="auto")
+    assert caught.value.problems[0].path == "sharding_blocks" and "sharding=params" in str(caught.value)
+    with pytest.raises(ft.ConfigError, match="functrain calls this field 'sharding_blocks'"):
+        ft.TrainerConfig(max_steps=1, sharding="params", transformer_layer_cls_to_wrap=["BertLayer"])
+    config = quiet_config(
+        tmp_path, max_steps=1, sharding="params", sharding_blocks=["BertLayer"], eval_strategy="no"
+    )
+    with pytest.raises(
+        ft.ConfigError, match=r"sharding_blocks: \['BertLayer'\] name no class and no submodule"
+    ):
+        ft.Trainer(_Stack(), config, make_dataset(8))
 
 
 # ------------------------------------------------------------------------------------------- torchrun

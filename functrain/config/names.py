@@ -64,6 +64,8 @@ RENAMED_FIELDS: dict[str, str] = {
     "log_period": "log_steps",
     "evaluation_strategy": "eval_strategy",
     "greater_is_better": "best_model_mode",
+    "transformer_layer_cls_to_wrap": "sharding_blocks",
+    "fsdp_transformer_layer_cls_to_wrap": "sharding_blocks",
 }
 
 # Whole names (lower case, separators removed) whose direction is known; anything else ending in

@@ -139,6 +139,13 @@ SHARDING_ALIASES: dict[Any, str] = {
 }
 
 
+def _block_names(value: Any, path: str) -> Any:
+    """``sharding_blocks``: ``"auto"`` kept as the list ``["auto"]``'s shorthand, one name as a list."""
+    if isinstance(value, str):
+        return [value]
+    return value
+
+
 def _sharding_level(value: Any, path: str) -> Any:
     """``sharding`` in functrain's spelling: FSDP's and DeepSpeed's names mapped, ``false``/``null`` off."""
     if value is False or value is None:
@@ -314,6 +321,15 @@ class TrainerConfig(ConfigSection):
         "= grads, no_shard = none; DeepSpeed's stages 0-3. Checkpoints are then one file per rank (any "
         "world size resumes them). Not with sweep, ema, pad_train_batches or fp16.",
         normalize=_sharding_level,
+    )
+    sharding_blocks: list[str] | None = option(
+        None,
+        doc="With sharding=params: the repeated blocks (a transformer's layers) whose params are gathered "
+        "inside their own forward and again in their recomputed backward, so the step holds one block's "
+        "whole params at a time (ZeRO-3's memory, for one more forward per block): 'auto' (the entries of "
+        "every nn.ModuleList of 2+ modules of one class), or class names and submodule names (as HF's "
+        "transformer_layer_cls_to_wrap). null: the step gathers the whole model.",
+        normalize=_block_names,
     )
     # -- sweeps (functrain.ensemble)
     sweep: dict[str, list[Any]] = option(
@@ -555,6 +571,23 @@ class TrainerConfig(ConfigSection):
                     f"is not supported with sharding={self.sharding!r}: {why}",
                     f"{fix}, or set sharding=none",
                 )
+
+    @rule("sharding", "sharding_blocks")
+    def _blocks_need_sharded_params(self) -> Iterable[Problem]:
+        if self.sharding_blocks is None:
+            return
+        if self.sharding != "params":
+            yield Problem(
+                "sharding_blocks",
+                f"needs sharding=params (blocks gather their sharded params), but sharding is {self.sharding!r}",
+                "set sharding=params, or sharding_blocks=null",
+            )
+        elif "auto" in self.sharding_blocks and len(self.sharding_blocks) > 1:
+            yield Problem("sharding_blocks", "'auto' finds the blocks itself", "give 'auto' alone, or names")
+        elif not self.sharding_blocks or not all(isinstance(n, str) and n for n in self.sharding_blocks):
+            yield Problem(
+                "sharding_blocks", "needs 'auto' or non-empty class/submodule names", "write e.g. [BertLayer]"
+            )
 
     @rule("init_weights_from", "resume_from_checkpoint")
     def _init_or_resume(self) -> Iterable[Problem]:

@@ -310,16 +310,39 @@ def pads(config: TrainerConfig, kind: str, *, overridden: bool = False) -> bool:
     return bool(wanted) and not config.sweep and not overridden
 
 
-def sharding(config: TrainerConfig) -> distributed.Sharding | None:
+def sharding(config: TrainerConfig, model: nn.Module | None = None) -> distributed.Sharding | None:
     """``config.sharding`` as a :func:`functrain.distributed.fully_shard` request over every rank (one
     process: a world of one, which holds everything), or ``None`` (replicated). Call it after
-    ``distributed.initialize()``.
+    ``distributed.initialize()``. ``config.sharding_blocks`` names classes or submodules of ``model``
+    (each name is checked against it when given).
 
     Example:
         >>> sharding(TrainerConfig(max_steps=1, sharding="full")).zero_stage
         3
     """
-    return None if config.sharding == "none" else distributed.fully_shard(level=config.sharding)
+    if config.sharding == "none":
+        return None
+    names = config.sharding_blocks
+    blocks: Any = None
+    if names == ["auto"]:
+        blocks = "auto"
+    elif names is not None:
+        wanted = set(names)
+        if model is not None:
+            known = {n for n, _ in model.named_modules() if n} | {type(m).__name__ for m in model.modules()}
+            missing = sorted(wanted - known)
+            if missing:
+                raise ConfigError.single(
+                    "sharding_blocks",
+                    f"{missing} name no class and no submodule of the model",
+                    f"give class names such as {sorted({type(m).__name__ for m in model.modules()})[:6]} "
+                    "or submodule names, or 'auto'",
+                )
+
+        def blocks(name: str, module: nn.Module) -> bool:
+            return name in wanted or type(module).__name__ in wanted
+
+    return distributed.fully_shard(level=config.sharding, blocks=blocks)
 
 
 def initial_state(

@@ -103,7 +103,7 @@ class Trainer:
         self.schedule = build.schedule(cfg, self.total_steps)
         self.tx = optimizer if optimizer is not None else self.build_optimizer()
         # config.sharding over the torchrun ranks (one process: a world of one); None: replicated
-        self.sharding = build.sharding(cfg)
+        self.sharding = build.sharding(cfg, model)
         if cfg.sweep:
             self.state, self.sweep_members = sweep.state(cfg, model, self.tx, self.device)
         else:
