@@ -1,8 +1,6 @@
 """``python -m functrain`` (and ``torchrun -m functrain train cfg.yaml``) runs the ``functrain`` command."""
 
-import sys
-
-from functrain.cli import main
+from functrain.cli import run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -16,6 +16,7 @@ from typing import Any
 import sharding_worker as w
 import torch
 from torch import nn
+from torchrun_exit import exit_skipping_teardown
 
 from functrain import distributed
 from functrain.distributed import sharding as sharding_mod
@@ -118,3 +119,4 @@ def blocks_compiled(out: dict) -> None:
 if __name__ == "__main__":
     w.MODES.update({"blocks": blocks, "blocks_compile": blocks_compiled})
     w.main(*sys.argv[1:])
+    exit_skipping_teardown()

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torchrun_exit import exit_skipping_teardown
 
 import functrain as ft
 from functrain import distributed
@@ -445,3 +446,4 @@ def main(mode: str, out_dir: str, ckpt_dir: str | None = None) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    exit_skipping_teardown()

@@ -44,3 +44,32 @@ def test_lazy_names_resolve_to_the_same_objects():
     assert all(hasattr(ft.checkpoint, name) for name in ft.checkpoint.__all__)
     assert all(hasattr(ft.logging, name) for name in ft.logging.__all__)
     assert {"fit", "optim", "Trainer"} <= set(dir(ft))
+
+
+def test_a_torchrun_rank_exits_without_interpreter_teardown(monkeypatch, capsys):
+    # The console entry: sys.exit(status) in one process; under torchrun os._exit(status) after flushing
+    # (a gloo rank sometimes aborted in C++ teardown after finishing, failing a finished run).
+    import importlib
+
+    import pytest
+
+    cli_main = importlib.import_module("functrain.cli.main")  # the module (functrain.cli.main is main())
+
+    exits: list[int] = []
+
+    def fake_exit(status: int) -> None:
+        exits.append(status)
+        raise SystemExit(status)
+
+    monkeypatch.setattr(cli_main.os, "_exit", fake_exit)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as one_process:
+        cli_main.run(["inspect", "no-such.ckpt"])
+    assert one_process.value.code == 2 and exits == []
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit):
+        cli_main.run(["inspect", "no-such.ckpt"])
+    assert exits == [2]
+    assert "no-such.ckpt" in capsys.readouterr().err  # the message was flushed before the exit

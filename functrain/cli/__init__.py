@@ -7,6 +7,6 @@ Example:
     >>> main(["train", "run.yaml", "epochs=2"])  # doctest: +SKIP
 """
 
-from functrain.cli.main import main
+from functrain.cli.main import main, run
 
-__all__ = ["main"]
+__all__ = ["main", "run"]

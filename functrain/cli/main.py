@@ -32,7 +32,7 @@ from typing import Any
 from functrain.cli.checks import preflight
 from functrain.cli.errors import BuildError, debug_requested, report
 
-__all__ = ["main"]
+__all__ = ["main", "run"]
 
 _SPECS_HELP = """\
 model and datasets in CONFIG.yaml are import specs, 'module:attr' (a class or a function is called
@@ -335,6 +335,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         return report(args.command, err, 2, debug=debug)
     except Exception as err:
         return report(args.command, err, 1, debug=debug)
+
+
+def run(argv: Sequence[str] | None = None) -> None:
+    """The console entry (``functrain ...``, ``python -m functrain ...``): :func:`main`, then exit with
+    its status.
+
+    A rank launched by torchrun ends with ``os._exit`` once its output is flushed: about one gloo run in
+    50 to 100 aborted after finishing (``terminate called without an active exception``, exit -6, no
+    Python frame left: C++ teardown during interpreter finalization; measured on 2 CPU ranks, seen in
+    CI for ``torchrun -m functrain train`` after its summary line), and a scheduler would read the
+    finished run as failed. By then the Trainer has closed its loggers and checkpoints and destroyed
+    the process group.
+    """
+    status = main(argv)
+    if "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        import logging
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(status)
+    sys.exit(status)
 
 
 def _show_config_deprecations(command: str) -> None:
