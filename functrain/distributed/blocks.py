@@ -34,9 +34,10 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Blocks", "GatheredBlocks", "block_names", "check_blocks"]
+__all__ = ["Blocks", "GatheredBlocks", "block_names", "check_blocks", "unknown_block_names"]
 
-# What fully_shard(blocks=...) accepts: "auto", module classes, submodule names, or a predicate.
+# What fully_shard(blocks=...) accepts: "auto", module classes, names (of submodules or of module
+# classes, as Hugging Face's transformer_layer_cls_to_wrap), or a predicate.
 Blocks = str | type | Sequence[type | str] | Callable[[str, nn.Module], bool] | None
 
 
@@ -63,13 +64,29 @@ def _matches(blocks: Blocks) -> Callable[[str, nn.Module], bool]:
             )
     classes = tuple(i for i in items if isinstance(i, type))
     names = {i for i in items if isinstance(i, str)}
-    return lambda name, module: name in names or (bool(classes) and isinstance(module, classes))
+    return lambda name, module: (
+        name in names or type(module).__name__ in names or (bool(classes) and isinstance(module, classes))
+    )
 
 
 def check_blocks(blocks: Blocks) -> None:
     """Raise ``TypeError`` unless ``blocks`` is a valid ``fully_shard(blocks=...)`` value."""
     if blocks is not None and blocks != "auto":
         _matches(blocks)
+
+
+def unknown_block_names(model: nn.Module, blocks: Blocks) -> list[str]:
+    """The names in ``blocks`` that are neither a submodule of ``model`` nor the class name of one.
+
+    Example:
+        >>> import torch
+        >>> unknown_block_names(torch.nn.Sequential(torch.nn.Linear(2, 2)), ["0", "Linear", "Layer"])
+        ['Layer']
+    """
+    if not isinstance(blocks, (list, tuple)):
+        return []
+    known = {n for n, _ in model.named_modules() if n} | {type(m).__name__ for m in model.modules()}
+    return sorted(n for n in blocks if isinstance(n, str) and n not in known)
 
 
 def block_names(model: nn.Module, blocks: Blocks) -> tuple[str, ...]:
@@ -89,10 +106,11 @@ def block_names(model: nn.Module, blocks: Blocks) -> tuple[str, ...]:
     else:
         match = _matches(blocks)
         chosen = {name for name, m in model.named_modules() if name and match(name, m)}
-        if isinstance(blocks, (list, tuple)):
-            missing = sorted(n for n in blocks if isinstance(n, str) and n not in dict(model.named_modules()))
-            if missing:
-                raise ValueError(f"fully_shard: blocks names {missing} are not submodules of the model")
+        missing = unknown_block_names(model, blocks)
+        if missing:
+            raise ValueError(
+                f"fully_shard: blocks names {missing} are not submodules of the model, nor their class names"
+            )
     outer = [n for n, _ in model.named_modules() if n in chosen]
     return tuple(n for n in outer if not any(n.startswith(o + ".") for o in outer if o != n))
 

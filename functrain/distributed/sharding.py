@@ -116,8 +116,8 @@ def fully_shard(
         blocks: ZeRO-3 only: the model's repeated blocks, whose params are gathered inside each block's
             forward and again in its backward (per-block recompute), so one block's params are whole at
             a time (:mod:`functrain.distributed.blocks`): ``"auto"`` (the entries of every
-            ``nn.ModuleList`` of 2+ modules of one class), module classes, a list of submodule names or
-            a predicate ``(name, module) -> bool``. ``None`` (default): the whole model is gathered for
+            ``nn.ModuleList`` of 2+ modules of one class), module classes, a list of names (of
+            submodules, or of module classes: ``["BertLayer"]``) or a predicate ``(name, module) -> bool``. ``None`` (default): the whole model is gathered for
             the step; the state is sharded at rest, the step's peak holds the full params and gradients.
 
     Example:

@@ -33,6 +33,7 @@ from functrain.checkpoint.sharded import ShardedCheckpointManager
 from functrain.config import ConfigError, TrainerConfig
 from functrain.config.schedules import SCHEDULES
 from functrain.config.section import type_hints
+from functrain.distributed.blocks import unknown_block_names
 from functrain.distributed.sharding import local_rows
 from functrain.jit import CompiledStep, jit
 from functrain.precision import LossScale
@@ -322,26 +323,15 @@ def sharding(config: TrainerConfig, model: nn.Module | None = None) -> distribut
     """
     if config.sharding == "none":
         return None
-    names = config.sharding_blocks
-    blocks: Any = None
-    if names == ["auto"]:
-        blocks = "auto"
-    elif names is not None:
-        wanted = set(names)
-        if model is not None:
-            known = {n for n, _ in model.named_modules() if n} | {type(m).__name__ for m in model.modules()}
-            missing = sorted(wanted - known)
-            if missing:
-                raise ConfigError.single(
-                    "sharding_blocks",
-                    f"{missing} name no class and no submodule of the model",
-                    f"give class names such as {sorted({type(m).__name__ for m in model.modules()})[:6]} "
-                    "or submodule names, or 'auto'",
-                )
-
-        def blocks(name: str, module: nn.Module) -> bool:
-            return name in wanted or type(module).__name__ in wanted
-
+    blocks = "auto" if config.sharding_blocks == ["auto"] else config.sharding_blocks
+    missing = unknown_block_names(model, blocks) if model is not None else []
+    if missing:
+        classes = sorted({type(m).__name__ for m in model.modules()})  # type: ignore[union-attr]
+        raise ConfigError.single(
+            "sharding_blocks",
+            f"{missing} name no class and no submodule of the model",
+            f"give class names such as {classes[:6]} or submodule names, or 'auto'",
+        )
     return distributed.fully_shard(level=config.sharding, blocks=blocks)
 
 
