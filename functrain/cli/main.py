@@ -349,7 +349,9 @@ def run(argv: Sequence[str] | None = None) -> None:
     the process group.
     """
     status = main(argv)
-    if "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+    # torchrun sets TORCHELASTIC_RUN_ID; other launchers a WORLD_SIZE (string compare: a malformed one was
+    # already reported by main, and must not raise here)
+    if "TORCHELASTIC_RUN_ID" in os.environ or os.environ.get("WORLD_SIZE", "1").strip() not in ("", "0", "1"):
         import logging
 
         sys.stdout.flush()
