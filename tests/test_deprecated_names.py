@@ -49,35 +49,26 @@ def test_fit_log_every_and_resume_are_the_old_names_of_log_steps_and_resume_from
     assert [s for s, _ in first.history.series("train/loss")] == [3, 5]  # every 3 steps and the epoch end
     ft.fit(state, step, data, epochs=1, checkpoints=tmp_path / "b", **run)
 
-    old_cb = _LogSteps()
-    with (
-        pytest.warns(DeprecationWarning, match=r"fit\(log_every=...\) is deprecated.*log_steps"),
-        pytest.warns(DeprecationWarning, match=r"fit\(resume=...\).*resume_from_checkpoint"),
-    ):
-        old = ft.fit(
+    def resumed(directory: str, callback: _LogSteps, **names: object) -> ft.FitResult:
+        return ft.fit(
             state,
             step,
             data,
             epochs=2,
-            log_every=3,
-            resume=True,
-            callbacks=[old_cb],
-            checkpoints=tmp_path / "a",
+            callbacks=[callback],
+            checkpoints=tmp_path / directory,
             **run,
+            **names,
         )
+
+    old_cb, new_cb_resumed = _LogSteps(), _LogSteps()
+    with (
+        pytest.warns(DeprecationWarning, match=r"fit\(log_every=...\) is deprecated.*log_steps"),
+        pytest.warns(DeprecationWarning, match=r"fit\(resume=...\).*resume_from_checkpoint"),
+    ):
+        old = resumed("a", old_cb, log_every=3, resume=True)
     assert old_cb.seen == 3 and int(old.state.step) == 10
-    new_cb_resumed = _LogSteps()
-    new = ft.fit(
-        state,
-        step,
-        data,
-        epochs=2,
-        log_steps=3,
-        resume_from_checkpoint=True,
-        callbacks=[new_cb_resumed],
-        checkpoints=tmp_path / "b",
-        **run,
-    )
+    new = resumed("b", new_cb_resumed, log_steps=3, resume_from_checkpoint=True)
     torch.testing.assert_close(new.state.params, old.state.params, rtol=0, atol=0)
     assert old_cb.restored_at == new_cb_resumed.restored_at == 5  # both resumed the step-5 checkpoint
 

@@ -252,10 +252,8 @@ def _early_stopped_run(tmp_path, **extra):
 
 
 def test_resume_of_an_early_stopped_run_returns_it_at_once_and_says_why(tmp_path):
-    state, train_step, stopper, run = _early_stopped_run(tmp_path)
-    first = ft.fit(
-        state, train_step, dataset(40), epochs=10, callbacks=[stopper], resume_from_checkpoint=True, **run
-    )
+    state, train_step, stopper, run = _early_stopped_run(tmp_path, resume_from_checkpoint=True)
+    first = ft.fit(state, train_step, dataset(40), epochs=10, callbacks=[stopper], **run)
     # the first evaluation sets `best`, then two without improvement: stopped after epoch 3 (5 steps each)
     assert int(first.state.step) == 15 and first.stop_reason.startswith("early stopping")
     logs = (tmp_path / "logs" / "metrics.jsonl").read_text()
@@ -266,15 +264,7 @@ def test_resume_of_an_early_stopped_run_returns_it_at_once_and_says_why(tmp_path
     with pytest.warns(
         ft.RunFinishedWarning, match=r"stopped for good at step 15: early stopping.*additional_epochs"
     ):
-        again = ft.fit(
-            state,
-            train_step,
-            dataset(40),
-            epochs=10,
-            callbacks=[stopper2],
-            resume_from_checkpoint=True,
-            **run,
-        )
+        again = ft.fit(state, train_step, dataset(40), epochs=10, callbacks=[stopper2], **run)
     assert int(again.state.step) == 15 and again.stop_reason == first.stop_reason
     assert (tmp_path / "logs" / "metrics.jsonl").read_text() == logs  # nothing appended
     assert ft.checkpoint.CheckpointManager(tmp_path / "ckpt").all_steps() == saved
@@ -282,15 +272,7 @@ def test_resume_of_an_early_stopped_run_returns_it_at_once_and_says_why(tmp_path
 
     # an explicit request trains on: one more epoch from step 15
     run["loggers"] = [ft.logging.JSONLWriter(tmp_path / "logs")]
-    more = ft.fit(
-        state,
-        train_step,
-        dataset(40),
-        additional_epochs=1,
-        callbacks=[stopper2],
-        resume_from_checkpoint=True,
-        **run,
-    )
+    more = ft.fit(state, train_step, dataset(40), additional_epochs=1, callbacks=[stopper2], **run)
     assert int(more.state.step) == 20
 
 
