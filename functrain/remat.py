@@ -81,7 +81,9 @@ class _Recompute(torch.autograd.Function):
         grads = tuple(g.detach() for g in grads)
         with _restored_rng(ctx.rng), torch.enable_grad():
             _, vjp_fn = torch.func.vjp(ctx.run, *tensors)
-            return (None, None, *vjp_fn(grads))
+            # first order, and each recomputed tensor freed as soon as its backward has run (vjp_fn's
+            # defaults keep the recomputed graph, full weights of a ZeRO-3 block included, to the end)
+            return (None, None, *vjp_fn(grads, retain_graph=False, create_graph=False))
 
 
 class _RngState:

@@ -10,6 +10,7 @@ comparison; each rank writes ``OUT_DIR/<mode>_rank<r>.pt``.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any
 
@@ -42,16 +43,26 @@ class BlockCNN(nn.Module):
         return self.head(x.flatten(1))
 
 
-def _counting_gathers() -> tuple[list[int], Any]:
-    """Counts the differentiable all-gathers (one per block in the forward, one in the recompute)."""
-    calls = [0]
-    real = sharding_mod._AllGather.forward
+def _counting_gathers() -> tuple[list[int], list[int], Any]:
+    """Counts the differentiable all-gathers (one per block in the forward, one in the recompute), and
+    records after each block's backward how many collectives c10d still holds unwaited (a reduce-scatter
+    left pending kept its whole input alive until the optimizer read the gradient)."""
+    calls, pending = [0], []
+    real_forward, real_backward = sharding_mod._AllGather.forward, sharding_mod._AllGather.backward
 
-    def counted(flat: torch.Tensor, group: Any) -> torch.Tensor:
+    def counted(flat: torch.Tensor, group: Any, world_size: int) -> torch.Tensor:
         calls[0] += 1
-        return real(flat, group)
+        return real_forward(flat, group, world_size)
 
-    return calls, w._patched(sharding_mod._AllGather, "forward", staticmethod(counted))
+    def watched(ctx: Any, grad: torch.Tensor) -> Any:
+        out = real_backward(ctx, grad)
+        pending.append(torch._C._distributed_c10d._get_work_registry_size())
+        return out
+
+    patches = contextlib.ExitStack()
+    patches.enter_context(w._patched(sharding_mod._AllGather, "forward", staticmethod(counted)))
+    patches.enter_context(w._patched(sharding_mod._AllGather, "backward", staticmethod(watched)))
+    return calls, pending, patches
 
 
 def _initial(cls: type[nn.Module]) -> dict[str, torch.Tensor]:
@@ -66,10 +77,11 @@ def blocks(out: dict) -> None:
     data = w.batches("transformer")
     ref, ref_m = w.reference(w.Transformer, w.adamw, data)
     out["moved"] = w.diff(ref.params, _initial(w.Transformer))
-    calls, counting = _counting_gathers()
+    calls, pending, counting = _counting_gathers()
     with counting:
         state, m, _ = w.sharded_run(w.Transformer, w.adamw, data, "params", blocks="auto")
     out["gathers_per_step"] = calls[0] / len(data)
+    out["pending_after_block_backward"] = pending
     out["transformer"] = w.compare(state, m, ref, ref_m)
     acc_data = w.batches("transformer", (8, 7, 8, 6) if world == 2 else (8, 16, 12))
     ref_a, ref_am = w.reference(w.Transformer, w.adamw, acc_data)
@@ -80,8 +92,8 @@ def blocks(out: dict) -> None:
     cnn_data = w.batches("cnn", (8, 7, 8, 6, 8))
     plain, plain_m, _ = w.sharded_run(BlockCNN, w.adamw, cnn_data, "params")
     plain = plain.sharding.full_state(plain)
+    calls, _, counting = _counting_gathers()
     with counting:
-        calls[0] = 0
         state, m, _ = w.sharded_run(BlockCNN, w.adamw, cnn_data, "params", blocks="auto")
     out["cnn_gathers_per_step"] = calls[0] / len(cnn_data)
     out["cnn"] = w.compare(state, m, plain, plain_m)
@@ -95,12 +107,12 @@ def guards(out: dict, data: list, ref: Any, ref_m: list) -> None:
     real = sharding_mod._AllGather.backward
 
     def zeroed(ctx: Any, grad: torch.Tensor) -> Any:
-        g, _ = real(ctx, grad)
-        return torch.zeros_like(g), None
+        g, *_ = real(ctx, grad)
+        return torch.zeros_like(g), None, None
 
     def unreduced(ctx: Any, grad: torch.Tensor) -> Any:
         world, rank = distributed.world_size(), distributed.rank()
-        return grad.reshape(world, -1)[rank] * world, None
+        return grad.reshape(world, -1)[rank] * world, None, None
 
     for name, backward in (("zero_gradients", zeroed), ("unreduced_gradients", unreduced)):
         with w._patched(sharding_mod._AllGather, "backward", staticmethod(backward)):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import weakref
 
 import pytest
 import torch
@@ -293,3 +294,50 @@ def test_recomputation_runs_in_the_forwards_autocast_precision() -> None:
         grads.append({k: state.params[k] - new.params[k] for k in new.params})
     for name in grads[0]:
         assert torch.equal(grads[1][name], grads[0][name]), name
+
+
+class _Probe(torch.autograd.Function):
+    """Identity whose backward calls ``check`` (the first op of a block: its backward runs last)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, check: object) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: object, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.check = inputs[1]  # type: ignore[attr-defined]
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.check()  # type: ignore[attr-defined]
+        return grad, None
+
+
+class _Saving(nn.Module):
+    """exp's output is saved by exp's backward and by the Linear after it; weak references to every
+    one made (the forward's and the recomputation's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.made: list = []
+        self.alive_at_end: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _Probe.apply(x, lambda: self.alive_at_end.append(self.made[-1]() is not None))
+        y = torch.exp(self.up(x))
+        self.made.append(weakref.ref(y))
+        return self.down(y)
+
+
+def test_recomputed_tensors_are_freed_as_the_blocks_backward_runs() -> None:
+    # The recomputation ran under torch.func.vjp whose vjp_fn keeps its graph by default: every tensor
+    # the block saved (a ZeRO-3 block's gathered weights) lived until the block's whole backward ended,
+    # the gradient's reduce-scatter included (+4 MB per block at the sharded step's peak).
+    model = nn.Sequential(_Saving(), nn.Linear(8, 3)).double()
+    ft.remat(model[0])
+    state = ft.TrainState.create(model, ft.optim.sgd(1.0))
+    step = ft.make_train_step(model, ft.supervised_loss(nn.functional.cross_entropy))
+    step(state, (torch.randn(6, 8, dtype=torch.float64), torch.randint(0, 3, (6,))))
+    assert len(model[0].made) == 2  # the forward and the recomputation
+    assert model[0].alive_at_end == [False]

@@ -137,6 +137,14 @@ def test_each_block_is_gathered_in_the_forward_and_again_in_the_backward(parity:
 
 
 @pytest.mark.slow
+def test_a_blocks_gradient_reduce_scatter_is_waited_on_in_its_backward(parity: list[dict]) -> None:
+    # funcol's AsyncCollectiveTensor came back wrapped inside torch.func's transforms and was never
+    # waited on: c10d kept every block's reduce-scatter (and its full-size input) to the optimizer
+    for out in parity:
+        assert out["pending_after_block_backward"] and set(out["pending_after_block_backward"]) == {0}
+
+
+@pytest.mark.slow
 def test_guards_catch_zero_and_unreduced_block_gradients(parity: list[dict]) -> None:
     for out in parity:
         for name in ("zero_gradients", "unreduced_gradients"):

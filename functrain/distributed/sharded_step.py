@@ -179,7 +179,9 @@ class ShardedStep:
         if self.sharding.level == "optimizer":
             grads = self._scatter(state, grads, n)
         _, loss, metrics, buffers, total = self.reducer.combine({}, loss, metrics, buffers, state.buffers, n)
-        return {k: g / total.to(g.dtype) for k, g in grads.items()}, loss, metrics, buffers
+        # in place: the reduced shards are the step's own new tensors (a copy would hold a second
+        # gradient's worth of memory at the step's peak)
+        return {k: g.div_(total.to(g.dtype)) for k, g in grads.items()}, loss, metrics, buffers
 
     def local_params(self, state: Any) -> dict[str, torch.Tensor]:
         """The rows the optimizer updates."""
