@@ -507,15 +507,10 @@ def make_train_step(
                 "BatchNorm in training mode: the padded rows would enter the batch statistics. Use "
                 "drop_last=True, or freeze_batchnorm=True"
             )
-        if mask is not None and plan is not None:
-            raise ValueError(
-                "a padded training batch (Loader(pad_last=True) / pad_train_batches) in a sharded step: not "
-                "supported yet (the reduce-scatter weights each rank by its batch's rows). Use "
-                "drop_last=True for training; evaluation pads as usual"
-            )
         micro = split_batch(batch, accumulate) if accumulate > 1 else [batch]
         masking = _masking(batch, mask, accumulate)
         total = sum(num_examples(b) for b in micro) if accumulate > 1 and mask is None else 1
+        real = _real_examples(batch, mask)  # a sharded step weights each rank's gradient by them
         buffers = state.buffers
         params_in = state.params if plan is None else plan.params_for_grad(state)
         grads: Any = None
@@ -527,13 +522,13 @@ def make_train_step(
             for i, mb in enumerate(micro):
                 weight = num_examples(mb) / total if accumulate > 1 and mask is None else 1.0
                 # ZeRO-3 blocks reduce their gradients in the backward: the loss is weighted before it
-                weighted = None if plan is None else plan.loss_weight(weight, num_examples(batch))
+                weighted = None if plan is None else plan.loss_weight(weight, real)
                 mb_scale = scale if weighted is None else weighted
                 g, (_, (mb_loss, aux, buffers)) = grad_fn(params_in, buffers, mb, mb_scale, *masking[i])
                 if weight != 1.0 and weighted is None:
                     g = tree.map(lambda x, w=weight: x * w, g)
                 if plan is not None:
-                    g = plan.micro_grads(state, g, num_examples(batch))
+                    g = plan.micro_grads(state, g, real)
                 grads = g if grads is None else tree.map(torch.add, grads, g)
                 loss = loss + mb_loss * weight
                 for name, value in dict(aux.get("metrics", {})).items():
@@ -544,11 +539,9 @@ def make_train_step(
                     targets.append(aux["target"])
 
         if plan is not None:
-            grads, loss, extra, buffers = plan.reduce(state, grads, loss, extra, buffers, num_examples(batch))
+            grads, loss, extra, buffers = plan.reduce(state, grads, loss, extra, buffers, real)
         elif gradient_reducer is not None:
-            grads, loss, extra, buffers = gradient_reducer(
-                grads, loss, extra, buffers, state.buffers, _real_examples(batch, mask)
-            )
+            grads, loss, extra, buffers = gradient_reducer(grads, loss, extra, buffers, state.buffers, real)
         loss_scale = state.loss_scale
         finite = None
         if scale is not None:

@@ -116,7 +116,9 @@ def sharded_run(
     break_with: Callable[[Any], None] | None = None,
     blocks: Any = None,
     donate: bool = False,
+    pad_to: int | None = None,
 ) -> tuple[Any, list, Any]:
+    """``pad_to``: each rank's part padded to that many rows (``ft.data.pad_batch``: masked rows)."""
     rank, world = distributed.rank(), distributed.world_size()
     model = build(cls, on_meta=rank != 0)
     sharding = distributed.fully_shard(level=level, blocks=blocks)
@@ -127,7 +129,8 @@ def sharded_run(
         break_with(raw)
     metrics = []
     for batch in data:
-        state, m = step(state, my_part(batch, rank, world))
+        part = my_part(batch, rank, world)
+        state, m = step(state, part if pad_to is None else ft.data.pad_batch(part, pad_to))
         metrics.append(m)
     return state, metrics, step
 
@@ -195,6 +198,11 @@ def parity(out: dict) -> None:
     ref_a, ref_am = reference(Transformer, adamw, acc_data)
     state, m, _ = sharded_run(Transformer, adamw, acc_data, "params", accumulate=2)
     out["transformer/params/accumulate2"] = compare(state, m, ref_a, ref_am)
+    # padded batches (Loader(pad_last=True), pad_train_batches): each rank's part padded to 4 rows, the
+    # masked rows weigh nothing (on 4 ranks the batch of 3 leaves one rank all padding)
+    for level, blocks in (("optimizer", None), ("params", None), ("params", "auto")):
+        state, m, _ = sharded_run(Transformer, adamw, data, level, blocks=blocks, pad_to=4)
+        out[f"transformer/{level}{'/blocks' if blocks else ''}/padded"] = compare(state, m, ref, ref_m)
     ref_l, ref_lm = reference(Transformer, lamb, data)
     state, m, _ = sharded_run(Transformer, lamb, data, "params")
     out["lamb/params"] = compare(state, m, ref_l, ref_lm)
@@ -389,12 +397,13 @@ def trainer(out: dict, directory: str) -> None:
         x = torch.randn(n, 6, generator=g, dtype=torch.float64)
         return torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long())
 
-    def run(level: str, folder: str, epochs: int, resume: bool = False) -> ft.Trainer:
+    def run(level: str, folder: str, epochs: int, resume: bool = False, **fields: Any) -> ft.Trainer:
         config = ft.TrainerConfig(
             output_dir=os.path.join(directory, folder), epochs=epochs, batch_size=4, seed=5,
             optimizer={"name": "adamw", "lr": 1e-2, "weight_decay": 0.1}, max_grad_norm=0.5,
             metrics=["accuracy"], compile=False, device="cpu", progress_bar=False, print_summary=False,
             init_weights_from=os.path.join(directory, "init.ckpt"), sharding=level, resume_from_checkpoint=resume,
+            **fields,
         )  # fmt: skip
         torch.manual_seed(distributed.rank())  # each rank's own initial weights: init_weights_from sets them
         trainer = ft.Trainer(SmallNet().double(), config, data(37, 0), data(13, 1))
@@ -425,6 +434,14 @@ def trainer(out: dict, directory: str) -> None:
         manager = t.checkpoint_manager()  # the run's last checkpoint, a step_N.shards manifest
         loaded = fresh.load(manager.path(manager.latest()))
         out[level]["loaded_shards"] = (int(loaded.step), loaded.sharding.full_state(loaded).params)
+    for level in ("none", "optimizer", "params"):  # an EMA of the weights, evaluated with
+        t = run(level, f"{level}_ema", 2, ema={"decay": 0.8, "evaluate": True})
+        state = t.state if level == "none" else t.state.sharding.full_state(t.state)
+        out[f"ema/{level}"] = {
+            "average": ft.averaging.averaged_params(state),
+            "params": state.params,
+            "eval": t.evaluate(),
+        }
 
 
 MODES = {"parity": parity, "compile": compiled}

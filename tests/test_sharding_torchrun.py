@@ -85,6 +85,13 @@ def test_a_donating_sharded_step_gives_the_same_state(parity: list[dict], level:
         assert out[f"donate_vs_kept/{level}"] == 0.0, out[f"donate_vs_kept/{level}"]
 
 
+@pytest.mark.parametrize("case", ["optimizer", "params", "params/blocks"])
+def test_padded_batches_equal_one_process_on_the_real_rows(parity: list[dict], case: str) -> None:
+    # each rank's part padded to 4 rows (pad_train_batches); on 4 ranks one rank's part is all padding
+    for out in parity:
+        _within(out[f"transformer/{case}/padded"], F64)
+
+
 def test_accumulation_and_lamb_trust_ratio_are_exact(parity: list[dict]) -> None:
     for out in parity:
         _within(out["transformer/params/accumulate2"], F64)

@@ -560,7 +560,7 @@ class TrainerConfig(ConfigSection):
                 f"set scheduler.warmup_steps below {self.max_steps}",
             )
 
-    @rule("sharding", "sweep", "ema", "pad_train_batches", "mixed_precision")
+    @rule("sharding", "sweep", "mixed_precision")
     def _sharding_supported(self) -> Iterable[Problem]:
         if self.sharding == "none":
             return
@@ -615,16 +615,6 @@ class TrainerConfig(ConfigSection):
 # field -> (whether the config uses it, why a sharded state cannot, the fix): what sharding refuses.
 _NOT_SHARDED: dict[str, tuple[Any, str, str]] = {
     "sweep": (lambda c: bool(c.sweep), "an ensemble's stacked state is not sharded", "remove sweep"),
-    "ema": (
-        lambda c: c.ema is not None,
-        "the average would be kept in shards that evaluation does not gather",
-        "set ema=null",
-    ),
-    "pad_train_batches": (
-        lambda c: c.pad_train_batches,
-        "the sharded step weights each rank by its batch's rows",
-        "set pad_train_batches=false (drop_last=true also keeps one compile)",
-    ),
     "mixed_precision": (
         lambda c: c.mixed_precision == "fp16",
         "fp16's overflow check would be per rank",

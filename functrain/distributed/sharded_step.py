@@ -37,6 +37,9 @@ from functrain.distributed.sharding import Sharding, ShardLayout, local_rows
 
 __all__ = ["ShardedStep", "apply_full_gradients"]
 
+# A rank's examples in a step: the batch's rows, or a padded batch's real rows (a 0-d integer tensor).
+Examples = int | torch.Tensor
+
 
 def _norm_reducer(sharding: Sharding) -> Callable[[list[torch.Tensor]], list[torch.Tensor]] | None:
     if sharding.world_size == 1:
@@ -133,24 +136,26 @@ class ShardedStep:
         """Within this block the blocks' forwards gather their params (nothing to do without blocks)."""
         return contextlib.nullcontext() if self.blocks is None else self.blocks.active()
 
-    def loss_weight(self, weight: float, n: int) -> float | None:
+    def loss_weight(self, weight: float, n: Examples) -> float | torch.Tensor | None:
         """With blocks, what the micro-batch's loss is multiplied by before the backward (its share of
         the step times this rank's examples: the gradients are reduced inside the backward); None
         without blocks (the gradient is weighted after the backward)."""
         return None if self.blocks is None else weight * n
 
     def _scatter(
-        self, state: Any, grads: Mapping[str, torch.Tensor], n: int, weighted: bool = False
+        self, state: Any, grads: Mapping[str, torch.Tensor], n: Examples, weighted: bool = False
     ) -> dict[str, torch.Tensor]:
         master = {k: v.dtype for k, v in state.params.items()}
         factor = 1 if weighted else n  # with blocks the loss was already weighted by n
 
         def weigh(k: str, g: torch.Tensor) -> torch.Tensor:
+            if isinstance(n, torch.Tensor):  # a padded batch's real rows: its masked loss is finite
+                return g.to(master[k]) * factor
             return torch.zeros_like(g, dtype=master[k]) if n == 0 else g.to(master[k]) * factor
 
         return self.layout(state).reduce_scatter({k: weigh(k, g) for k, g in grads.items()}, master)
 
-    def micro_grads(self, state: Any, grads: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
+    def micro_grads(self, state: Any, grads: dict[str, torch.Tensor], n: Examples) -> dict[str, torch.Tensor]:
         """A micro-batch's gradients: reduce-scattered at once (ZeRO-2/3) or kept whole (ZeRO-1). With
         blocks the loss was weighted (:meth:`loss_weight`) and the blocks' gradients are already this
         rank's rows of the sum over ranks."""
@@ -173,7 +178,7 @@ class ShardedStep:
         loss: torch.Tensor,
         metrics: Mapping[str, torch.Tensor],
         buffers: Mapping[str, torch.Tensor],
-        n: int,
+        n: Examples,
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """This rank's rows of the global-mean gradient, and the global loss, metrics and buffers."""
         if self.sharding.level == "optimizer":

@@ -241,6 +241,9 @@ def find_average(opt_state: Any) -> EmaState | SwaState:
 def averaged_params(state: Any) -> PyTree:
     """The averaged params of a ``TrainState`` (or of an optimizer state), in the params' dtypes.
 
+    A sharded state's average is kept as its params are: shards under ZeRO-3; under ZeRO-1/2 (params
+    whole, optimizer state sharded) its rows are all-gathered, so every rank must call it.
+
     Example:
         >>> import functrain as ft
         >>> s = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.chain(ft.optim.sgd(0.1), ema()))
@@ -252,6 +255,9 @@ def averaged_params(state: Any) -> PyTree:
     params = getattr(state, "params", None)
     if params is None:
         return average
+    layout = getattr(state, "sharding", None)
+    if layout is not None:  # a sharded state: the optimizer keeps this rank's rows of the average
+        average = layout.at_rest(average)  # as the params are kept: shards (ZeRO-3) or gathered whole
     return tree.map(lambda a, p: a.to(p.dtype), average, params)
 
 
