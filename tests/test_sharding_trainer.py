@@ -178,7 +178,13 @@ def test_padded_train_batches_with_sharding_train_as_without(tmp_path: Path) -> 
     # weigh nothing; the multi-rank case is tests/test_sharding_torchrun.py's padded parity
     def run(name: str, **fields: object) -> ft.Trainer:
         config = quiet_config(
-            tmp_path / name, epochs=2, batch_size=8, seed=3, eval_strategy="no", pad_train_batches=True, **fields
+            tmp_path / name,
+            epochs=2,
+            batch_size=8,
+            seed=3,
+            eval_strategy="no",
+            pad_train_batches=True,
+            **fields,
         )
         torch.manual_seed(0)
         trainer = ft.Trainer(_Stack().double(), config, _float64(make_dataset(37)))
