@@ -148,3 +148,36 @@ def test_a_shard_file_in_the_wrong_slot_is_refused(tmp_path: str) -> None:
     ft.checkpoint.save(manifest_path, {}, step=1, metadata={"functrain_sharded": forged})
     with pytest.raises(ft.checkpoint.CheckpointError, match="shards were mixed up"):
         ckpt.restore_sharded(tmp_path)
+
+
+def _graph_calling(target: object, nested: bool) -> torch.fx.GraphModule:
+    graph = torch.fx.Graph()
+    graph.output(graph.call_function(target, (graph.placeholder("x"), 2, "0")))
+    module = torch.fx.GraphModule(torch.nn.Module(), graph)
+    if not nested:
+        return module
+    outer, root = torch.fx.Graph(), torch.nn.Module()
+    root.block = module  # a block's gather sits in its autograd.Function's forward: a subgraph
+    outer.output(outer.call_module("block", (outer.placeholder("x"),)))
+    return torch.fx.GraphModule(root, outer)
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_gathering_step_compiles_without_hoisting_its_gathers(monkeypatch, nested: bool) -> None:
+    # inductor's reorder_for_locality moved every block's all-gather (it reads step inputs only) to the
+    # top of the graph: all blocks' params whole at once (compiled peak 46 MB where eager had 28)
+    from functrain.compile import backend
+
+    seen: list[dict] = []
+
+    def fake_compile_fx(gm, example_inputs, config_patches=None, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(dict(config_patches or {}))
+        return gm
+
+    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", fake_compile_fx)
+    gather = torch.ops._c10d_functional.all_gather_into_tensor.default
+    for target, options in ((gather, {}), (torch.add, {}), (gather, {"reorder_for_locality": True})):
+        backend.compile_graph(_graph_calling(target, nested), [torch.ones(2)], options)
+    assert seen[0]["reorder_for_locality"] is False
+    assert "reorder_for_locality" not in seen[1]  # no gather: inductor's default
+    assert seen[2]["reorder_for_locality"] is True  # the caller's options win
