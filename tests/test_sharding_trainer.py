@@ -148,23 +148,19 @@ class _Stack(torch.nn.Module):
         return self.head(x)
 
 
+def _trained_stack(directory: Path, rows: int, **fields: object) -> ft.Trainer:
+    """``_Stack`` in float64, trained 2 epochs in batches of 8 on ``rows`` examples, no evaluation."""
+    config = quiet_config(directory, epochs=2, batch_size=8, seed=3, eval_strategy="no", **fields)
+    torch.manual_seed(0)
+    trainer = ft.Trainer(_Stack().double(), config, _float64(make_dataset(rows)))
+    trainer.train()
+    return trainer
+
+
 @pytest.mark.parametrize("blocks", [["auto"], ["_Layer"], ["layers.0", "layers.2"]])
 def test_sharding_blocks_from_the_config_train_as_without_them(tmp_path: Path, blocks: list) -> None:
     def run(name: str, **fields: object) -> ft.Trainer:
-        config = quiet_config(
-            tmp_path / name,
-            epochs=2,
-            batch_size=8,
-            seed=3,
-            max_grad_norm=0.5,
-            sharding="params",
-            eval_strategy="no",
-            **fields,
-        )
-        torch.manual_seed(0)
-        trainer = ft.Trainer(_Stack().double(), config, _float64(make_dataset(40)))
-        trainer.train()
-        return trainer
+        return _trained_stack(tmp_path / name, 40, max_grad_norm=0.5, sharding="params", **fields)
 
     plain, blocked = run("plain"), run("blocks", sharding_blocks=blocks)
     expected = ("layers.0", "layers.2") if "layers.0" in blocks else ("layers.0", "layers.1", "layers.2")
@@ -176,24 +172,9 @@ def test_sharding_blocks_from_the_config_train_as_without_them(tmp_path: Path, b
 def test_padded_train_batches_with_sharding_train_as_without(tmp_path: Path) -> None:
     # 37 rows in batches of 8: the last batch is padded to 8 (one compiled shape), its 3 masked rows
     # weigh nothing; the multi-rank case is tests/test_sharding_torchrun.py's padded parity
-    def run(name: str, **fields: object) -> ft.Trainer:
-        config = quiet_config(
-            tmp_path / name,
-            epochs=2,
-            batch_size=8,
-            seed=3,
-            eval_strategy="no",
-            pad_train_batches=True,
-            **fields,
-        )
-        torch.manual_seed(0)
-        trainer = ft.Trainer(_Stack().double(), config, _float64(make_dataset(37)))
-        trainer.train()
-        return trainer
-
-    plain = run("plain")
+    plain = _trained_stack(tmp_path / "plain", 37, pad_train_batches=True)
     for name, fields in {"params": {}, "blocks": {"sharding_blocks": ["auto"]}}.items():
-        sharded = run(name, sharding="params", **fields)
+        sharded = _trained_stack(tmp_path / name, 37, pad_train_batches=True, sharding="params", **fields)
         assert int(sharded.state.step) == int(plain.state.step) == 10
         # the sharded step weighs the gradient by the 5 real rows and divides by them (g * 5 / 5 rounds
         # where 8 / 8 does not); Adam's |g| + eps normalisation made that 4e-11 after 10 steps
