@@ -510,7 +510,9 @@ def make_train_step(
         micro = split_batch(batch, accumulate) if accumulate > 1 else [batch]
         masking = _masking(batch, mask, accumulate)
         total = sum(num_examples(b) for b in micro) if accumulate > 1 and mask is None else 1
-        real = _real_examples(batch, mask)  # a sharded step weights each rank's gradient by them
+        # each rank's gradient is weighted by its examples (an op on a padded batch's mask: only when reduced)
+        reduced = plan is not None or gradient_reducer is not None
+        real = _real_examples(batch, mask) if reduced else None
         buffers = state.buffers
         params_in = state.params if plan is None else plan.params_for_grad(state)
         grads: Any = None

@@ -148,10 +148,12 @@ class ShardedStep:
         master = {k: v.dtype for k, v in state.params.items()}
         factor = 1 if weighted else n  # with blocks the loss was already weighted by n
 
+        # an empty batch's loss and gradients may be NaN; a padded batch's real rows (a tensor) may be 0,
+        # but its masked loss is finite
+        empty = isinstance(n, int) and n == 0
+
         def weigh(k: str, g: torch.Tensor) -> torch.Tensor:
-            if isinstance(n, torch.Tensor):  # a padded batch's real rows: its masked loss is finite
-                return g.to(master[k]) * factor
-            return torch.zeros_like(g, dtype=master[k]) if n == 0 else g.to(master[k]) * factor
+            return torch.zeros_like(g, dtype=master[k]) if empty else g.to(master[k]) * factor
 
         return self.layout(state).reduce_scatter({k: weigh(k, g) for k, g in grads.items()}, master)
 
