@@ -369,9 +369,8 @@ def _unknown_field(cls: type[ConfigSection], key: str) -> Problem:
             ]
             if close:
                 hint = "did you mean " + " or ".join(repr(cls.field_path(p)) for p in close[:3]) + "?"
-        if (
-            not hint and "args" in known
-        ):  # a pass-through section: optimizer.args, scheduler.args, criterion.args
+        # a pass-through section: optimizer.args, scheduler.args, criterion.args
+        if not hint and "args" in known:
             args_path = cls.field_path("args")
             hint = (
                 f"if it is an argument of the {path.partition('.')[0]}, move it into {args_path} "

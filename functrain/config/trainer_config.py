@@ -319,7 +319,7 @@ class TrainerConfig(ConfigSection):
         "parallel); 'optimizer' shards the optimizer state (ZeRO-1), 'grads' the gradients too (ZeRO-2), "
         "'params' the params too (ZeRO-3). Aliases: FSDP's full_shard/full = params, shard_grad_op/grad_op "
         "= grads, no_shard = none; DeepSpeed's stages 0-3. Checkpoints are then one file per rank (any "
-        "world size resumes them). Not with sweep, ema, pad_train_batches or fp16.",
+        "world size resumes them). Not with sweep or fp16.",
         normalize=_sharding_level,
     )
     sharding_blocks: list[str] | None = option(

@@ -117,8 +117,9 @@ def fully_shard(
             forward and again in its backward (per-block recompute), so one block's params are whole at
             a time (:mod:`functrain.distributed.blocks`): ``"auto"`` (the entries of every
             ``nn.ModuleList`` of 2+ modules of one class), module classes, a list of names (of
-            submodules, or of module classes: ``["BertLayer"]``) or a predicate ``(name, module) -> bool``. ``None`` (default): the whole model is gathered for
-            the step; the state is sharded at rest, the step's peak holds the full params and gradients.
+            submodules, or of module classes: ``["BertLayer"]``) or a predicate ``(name, module) ->
+            bool``. ``None`` (default): the whole model is gathered for the step; the state is sharded at
+            rest, the step's peak holds the full params and gradients.
 
     Example:
         >>> sharding = fully_shard(level="grads", param_dtype=torch.bfloat16)

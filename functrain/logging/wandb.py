@@ -1,7 +1,8 @@
 """`WandbWriter`: scalars to a Weights & Biases run (``pip install "functrain[wandb]"``).
 
 The run starts at the first write. Its id is kept in ``log_dir/wandb_run_id``, so a resumed functrain run
-(``fit(..., resume_from_checkpoint=...)``) continues the same W&B run (``resume="allow"``) instead of starting a new one.
+(``fit(..., resume_from_checkpoint=...)``) continues the same W&B run (``resume="allow"``) instead of
+starting a new one.
 W&B's offline mode (``mode="offline"`` or ``WANDB_MODE=offline``) writes the run under ``log_dir/wandb``
 for a later ``wandb sync``. Steps that a crashed run logged after its last checkpoint are already in W&B, which
 ignores a step below its latest one: the resumed curve continues from where the crashed one stopped.

@@ -74,11 +74,11 @@ def fit(
             TensorBoard).
         checkpoints: a :class:`functrain.checkpoint.CheckpointManager` (or a directory for one).
         save_every: a number of steps, ``"epoch"`` or ``None``; the final state is saved too.
-        resume_from_checkpoint: ``True`` resumes from the latest checkpoint if there is one (else starts fresh), a step
-            number or ``"best"`` from that checkpoint, a path from that checkpoint file; ``False`` starts
-            fresh. A resumed run that had ended (its length reached, early stopping or another final stop
-            request) returns its final state at once, trains and logs nothing, and warns why
-            (:class:`RunFinishedWarning`). Without resume, a state that has already taken steps continues
+        resume_from_checkpoint: ``True`` resumes from the latest checkpoint if there is one (else starts
+            fresh), a step number or ``"best"`` from that checkpoint, a path from that checkpoint file;
+            ``False`` starts fresh. A resumed run that had ended (its length reached, early stopping or
+            another final stop request) returns its final state at once, trains and logs nothing, and
+            warns why (:class:`RunFinishedWarning`). Without resume, a state that has already taken steps continues
             the data stream where its step count puts it. (``TrainerConfig.resume_from_checkpoint``, and
             Hugging Face's ``Trainer.train(resume_from_checkpoint=)``.)
         progress_bar: show a progress bar (``tqdm.auto``: terminal and notebook), as
