@@ -256,7 +256,7 @@ class Remat:
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_dynamo_compiling():
             # Dynamo turns this call into its activation-checkpoint operator, whose implementation
             # calls torch.utils.checkpoint.checkpoint when AOTAutograd traces it: inside functrain's
             # steps that is routed back here (routed_checkpoint), outside it is torch's checkpoint.
@@ -397,8 +397,8 @@ def checkpoint(
         torch.Size([2, 4])
     """
     preserve = kwargs.pop("preserve_rng_state", True)
-    # Not Remat.__call__: under torch.compile this runs while AOTAutograd traces dynamo's checkpoint
-    # operator, where the compiling flag is still set.
+    # The recomputing Function itself: under torch.compile this runs while AOTAutograd traces dynamo's
+    # checkpoint operator, after dynamo's own trace.
     return Remat(function, preserve_rng_state=preserve).recompute(*args, **kwargs)
 
 

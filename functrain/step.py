@@ -393,7 +393,7 @@ def _device_of(params: Mapping[str, torch.Tensor]) -> torch.device:
 def _checkpoint_routing(model: nn.Module | ApplyFn) -> contextlib.AbstractContextManager[Any]:
     # torch.utils.checkpoint cannot run under torch.func.grad; route it to functrain.remat. Under
     # torch.compile the routing is done outside the traced code, by jit (dynamo must see it at trace time).
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         return contextlib.nullcontext()
     return routed_checkpoint(model)
 
