@@ -6,9 +6,13 @@ The first-week crash with a Hugging Face model in ``ft.Trainer`` (issue 31, item
 ``functrain.tree.flatten`` took its traced fast path (a ``DictSpec``) for some samples of a batch on
 the prefetch thread. Each run here is a fresh process (a fresh dynamo), a tiny BERT trained by
 ``ft.Trainer`` with its defaults on dict samples (40 examples, batch 16: a short last batch and a
-recompile at the epoch boundary), or the same with ``ft.fit`` (``--job fit``).
+recompile at the epoch boundary), or the same with ``ft.fit`` (``--job fit``). Those hit the race only
+where a compile starts or ends while the prefetch thread is inside a collate: 4 of 4 Trainer runs on a
+quiet machine, 0 of 4 here under a load of 6 on 2 cores. ``--job threads`` makes the window wide: one
+process in which a thread collates 64-sample dict batches in a loop while the main thread compiles
+fresh functions (dynamo's ``eager`` backend), counting the batches that raised.
 
-    python benchmarks/collate_race.py --runs 8 [--job trainer|fit]
+    python benchmarks/collate_race.py --runs 8 [--job trainer|fit|threads]
 
 Prints one line per run (ok, or the error) and the count of failures.
 """
@@ -47,22 +51,55 @@ JOB = textwrap.dedent(
     """
 )
 
+THREADS = textwrap.dedent(
+    """
+    import threading, torch
+    from functrain.data import collate, CollateError
+    samples = [{"input_ids": torch.arange(8) + i, "labels": torch.tensor(i % 3)} for i in range(64)]
+    stop, counts = threading.Event(), {"batches": 0, "errors": 0}
+    def host():
+        while not stop.is_set():
+            try:
+                collate(samples)
+            except CollateError:
+                counts["errors"] += 1
+            counts["batches"] += 1
+    thread = threading.Thread(target=host, daemon=True)
+    thread.start()
+    for i in range(10):
+        torch._dynamo.reset()
+        def f(x):
+            for j in range(100):
+                x = torch.sin(x) + j
+            return x
+        torch.compile(f, backend="eager", fullgraph=True)(torch.ones(2))
+    stop.set()
+    thread.join()
+    print(f"{counts['errors']} of {counts['batches']} batches raised CollateError")
+    print("ok" if counts["errors"] == 0 else "raised")
+    """
+)
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=8)
-    parser.add_argument("--job", choices=["trainer", "fit"], default="trainer")
+    parser.add_argument("--job", choices=["trainer", "fit", "threads"], default="trainer")
     args = parser.parse_args()
     failures = 0
     for i in range(args.runs):
         with tempfile.TemporaryDirectory() as out:
             done = subprocess.run(
-                [sys.executable, "-c", JOB, args.job, out], capture_output=True, text=True, timeout=900
+                [sys.executable, "-c", THREADS if args.job == "threads" else JOB, args.job, out],
+                capture_output=True,
+                text=True,
+                timeout=900,
             )
         ok = done.returncode == 0 and done.stdout.strip().endswith("ok")
         failures += not ok
+        said = done.stdout.strip().splitlines()[:-1] if args.job == "threads" else []
         last = (done.stderr.strip().splitlines() or ["?"])[-1]
-        print(f"run {i + 1}: {'ok' if ok else 'FAILED: ' + last[:300]}", flush=True)
+        print(f"run {i + 1}: {'ok' if ok else 'FAILED: ' + last[:300]}", *said, flush=True)
     print(f"{args.job}: {failures} of {args.runs} runs failed")
 
 
