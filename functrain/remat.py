@@ -461,9 +461,45 @@ def routed_checkpoint(model: Any = None) -> Iterator[None]:
         except RuntimeError as e:
             if not any(sign in str(e) for sign in _UNROUTED_CHECKPOINT):
                 raise
+            function = _function_without_setup_context(e)
+            if function is not None and function is not torch_checkpoint.CheckpointFunction:
+                raise RuntimeError(_without_setup_context(function)) from e
             raise RuntimeError(
                 "the model calls torch.utils.checkpoint through a reference functrain cannot route (e.g. "
                 "`from torch.utils.checkpoint import checkpoint` at import time), and torch's checkpoint "
                 f"cannot run under torch.func.grad ({str(e).splitlines()[0]}). Wrap the block with "
                 "ft.remat(block) instead, or call it as torch.utils.checkpoint.checkpoint(...)."
             ) from e
+
+
+def _function_without_setup_context(error: BaseException) -> type | None:
+    """The ``torch.autograd.Function`` whose ``apply`` raised torch.func's "must override the setup_context"
+    (torch's message does not name it: its ``apply`` frame holds it as ``cls``), or ``None``."""
+    frame = error.__traceback__
+    found = None
+    while frame is not None:
+        cls = frame.tb_frame.f_locals.get("cls") if frame.tb_frame.f_code.co_name == "apply" else None
+        if isinstance(cls, type) and issubclass(cls, torch.autograd.Function):
+            found = cls
+        frame = frame.tb_next
+    return found
+
+
+def _without_setup_context(function: type) -> str:
+    """What to say about a model's autograd.Function that torch.func cannot differentiate."""
+    name = f"{function.__module__}.{function.__qualname__}"
+    fix = (
+        "give it a `setup_context(ctx, inputs, output)` staticmethod, with `forward` taking no ctx "
+        "(https://pytorch.org/docs/main/notes/extending.func.html), or run the step compiled "
+        "(ft.jit(step)), where dynamo traces the Function's forward and backward into the step's graph"
+    )
+    if function.__module__.startswith("torch.distributed"):  # DTensor's from_local/to_local in TP hooks
+        fix = (
+            "torch's tensor-parallel hooks (parallelize_module) use it: place the weights with "
+            "torch.distributed.tensor.distribute_tensor instead of hooks"
+        )
+    return (
+        f"the model calls {name}, a torch.autograd.Function without setup_context (an old-style "
+        "`forward(ctx, ...)`): an eager functrain step differentiates with torch.func, which needs one. "
+        f"Fix: {fix}"
+    )

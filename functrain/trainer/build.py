@@ -148,7 +148,8 @@ def schedule(config: TrainerConfig, total_steps: int) -> optim.Schedule | float:
     if not warmup:
         return main
     return optim.join_schedules(
-        [optim.linear_schedule(0.0, lr, warmup), lambda count: main(count - warmup)], [warmup]
+        [optim.linear_schedule(0.0, lr, warmup), main],
+        [warmup],  # join_schedules passes count - warmup
     )
 
 
