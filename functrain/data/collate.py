@@ -47,6 +47,75 @@ def collate(samples: Sequence[Any]) -> Any:
             "collate: got no samples; an empty batch has no structure to copy. "
             "Use functrain.data.empty_batch(sample) to make one shaped like a sample"
         )
+    try:
+        return _stack_columns(list(samples))
+    except Exception:
+        # Something differs between the samples, or a container or leaf the fast path does not know:
+        # the careful path gives the same batch, or the error that names the sample and the path.
+        return _collate_checked(samples)
+
+
+# The fast path: one pass per container over the samples, comparing each with the first by exact type
+# and keys or length, and stacking each column with one torch/numpy call. It checks what the careful path
+# checks (any mismatch raises) and never builds a tree spec per sample: 7-9x less time than flattening
+# every sample (benchmarks/collate.py).
+
+
+class _Differs(Exception):
+    """The fast path met a difference between samples, or a type it leaves to the careful path."""
+
+
+_INT_OR_FLOAT = frozenset({int, float})
+
+
+def _stack_columns(values: list[Any]) -> Any:
+    first = values[0]
+    cls = type(first)
+    if isinstance(first, torch.Tensor):
+        return torch.stack(values)  # raises for a non-tensor or another shape
+    if cls is dict:
+        # Same type and size everywhere, and every key of the first found in each (a KeyError otherwise):
+        # the same keys. set(map(...)) runs in C, a loop over the samples would not.
+        if set(map(type, values)) != {dict} or set(map(len, values)) != {len(first)}:
+            raise _Differs
+        return {key: _stack_columns([value[key] for value in values]) for key in first}
+    if cls is tuple or cls is list or optree.is_namedtuple_class(cls):
+        if set(map(type, values)) != {cls} or set(map(len, values)) != {len(first)}:
+            raise _Differs
+        columns = [_stack_columns(list(column)) for column in zip(*values)]
+        return cls(columns) if cls is tuple or cls is list else cls(*columns)
+    if first is None:
+        if any(value is not None for value in values):
+            raise _Differs
+        return None
+    if isinstance(first, np.ndarray):
+        if first.dtype.kind not in "biufc" or not all(
+            issubclass(t, np.ndarray) for t in set(map(type, values))
+        ):
+            raise _Differs
+        return torch.from_numpy(np.stack(values))  # raises for another shape
+    types = set(map(type, values))
+    if cls is bool and types == {bool}:
+        return torch.tensor(values, dtype=torch.bool)
+    if (cls is int or cls is float) and types <= _INT_OR_FLOAT:
+        # Python floats follow torch's default dtype (float32 unless changed), not float64.
+        return torch.tensor(values, dtype=torch.int64 if types == {int} else torch.get_default_dtype())
+    if isinstance(first, np.generic) and all(issubclass(t, np.generic) for t in types):
+        return torch.from_numpy(np.asarray(values))
+    if (cls is str or cls is bytes) and types == {cls}:
+        return list(values)
+    fields = getattr(cls, "__functrain_struct__", None)
+    if fields is not None and not fields[1]:  # a tree.struct without static fields
+        if types != {cls}:
+            raise _Differs
+        return cls(**{name: _stack_columns([getattr(v, name) for v in values]) for name in fields[0]})
+    raise _Differs
+
+
+# The careful path: every sample flattened and compared with the first, every leaf's kind and shape checked.
+
+
+def _collate_checked(samples: Sequence[Any]) -> Any:
     first_leaves, spec = tree.flatten(samples[0])
     columns: list[list[Any]] = [[leaf] for leaf in first_leaves]
     for i, sample in enumerate(samples[1:], start=1):
