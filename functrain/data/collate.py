@@ -57,8 +57,8 @@ def collate(samples: Sequence[Any]) -> Any:
 
 # The fast path: one pass per container over the samples, comparing each with the first by exact type
 # and keys or length, and stacking each column with one torch/numpy call. It checks what the careful path
-# checks (any mismatch raises) and never builds a tree spec per sample: 7-9x less time than flattening
-# every sample (benchmarks/collate.py).
+# checks (any mismatch raises) and never builds a tree spec per sample: 0.9-1.05x default_collate's time
+# on tensor samples where the careful path alone takes 3-6x (benchmarks/README.md, "Data loading").
 
 
 class _Differs(Exception):
