@@ -109,6 +109,7 @@ class MapSource:
         self.key = key
         self.drop_last = drop_last
         self.collate_fn = collate_fn
+        self.pin_memory = pin_memory
         self.rank = rank
         self.world_size = world_size
         self.batches_per_epoch: int | None = num_batches(len(dataset), batch_size, drop_last, world_size)

@@ -13,7 +13,8 @@ meaning).
 
 Example:
     >>> import torch
-    >>> runner = BatchRunner(list(range(6)), collate_fn=torch.tensor, pin_memory=False, options=WorkerOptions())
+    >>> options = WorkerOptions()
+    >>> runner = BatchRunner(list(range(6)), collate_fn=torch.tensor, pin_memory=False, options=options)
     >>> [b.tolist() for b in runner.batches([[4, 5], [0, 1]], torch.Generator().manual_seed(0))]
     [[4, 5], [0, 1]]
 """
@@ -151,7 +152,7 @@ class BatchRunner:
         return self.options.persistent and self.options.num_workers > 0
 
     def batches(self, plan: list[list[int]], generator: torch.Generator) -> Iterator[Any]:
-        """The collated batches of ``plan``; ``generator`` seeds the workers as it would a new DataLoader's."""
+        """The collated batches of ``plan``; ``generator`` seeds workers as it seeds a new DataLoader's."""
         with self._lock:
             reuse = self.persistent and not self._busy
             self._busy = self._busy or reuse
