@@ -9,7 +9,7 @@ Persistent workers give the batches that fresh workers would: each pass carries 
 DataLoader would draw from the pass's generator, and a worker whose RNGs were seeded for another pass
 reseeds Python's, numpy's and torch's RNGs exactly as torch seeds a new worker (``base_seed + worker_id``)
 before loading the pass's first batch. ``worker_init_fn`` runs once per worker, when it starts (torch's
-meaning).
+meaning): RNGs it seeds itself are reseeded the torch way from the worker's second pass on.
 
 Example:
     >>> import torch
