@@ -14,6 +14,8 @@ turn, rotated), ratios the median of the per-repeat ratios against torch's:
               second epoch, by ``Loader`` with persistent workers (the default), with
               ``persistent_workers=False`` (a DataLoader per epoch: what Loader did before), and by
               ``DataLoader`` with and without ``persistent_workers``
+    images    ``collate`` as a ``DataLoader``'s ``collate_fn`` in ``--workers`` worker processes, against
+              ``default_collate``, on batches of 32 3x224x224 images (a worker stacks into shared memory)
 
 Usage:
     python benchmarks/collate.py                     # writes benchmarks/results/collate.md
@@ -195,6 +197,42 @@ def workers_table(data: MemmapRows, batch: int, workers: int, repeats: int) -> s
     return "\n".join(rows)
 
 
+class Images(torch.utils.data.Dataset):
+    """``{"image": 3x224x224 float32, "label": int}``: batches large enough that a copy shows."""
+
+    def __init__(self, size: int) -> None:
+        self.x = torch.randn(64, 3, 224, 224, generator=torch.Generator().manual_seed(0))
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> dict[str, object]:
+        return {"image": self.x[i % 64], "label": i % 10}
+
+
+def images_table(workers: int, repeats: int) -> str:
+    data = Images(1024)
+    fns = {}
+    for name, fn in (
+        ("default_collate", default_collate),
+        ("collate", collate),
+        ("careful", _collate_checked),
+    ):
+        loader = DataLoader(data, 32, num_workers=workers, persistent_workers=True, collate_fn=fn)
+        _epoch(loader)  # start the workers
+        fns[name] = lambda ld=loader: _epoch(ld)
+    times = common.interleaved(fns, repeats, 1)
+    rows = [f"| collate_fn (DataLoader, {workers} workers) | ms per epoch | IQR | vs default_collate |"]
+    rows.append("|---|---:|---:|---:|")
+    for name, ts in times.items():
+        med, lo, hi = common.median_spread(ts)
+        ratio = "-" if name == "default_collate" else f"**{_ratio(times, name, 'default_collate'):.2f}x**"
+        rows.append(f"| {name} | {med:.1f} | {lo:.1f}-{hi:.1f} | {ratio} |")
+        print(rows[-1], flush=True)
+    return "\n".join(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -206,7 +244,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128, help="batch size of the loader tables")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--worker-repeats", type=int, default=5)
-    parser.add_argument("--tables", nargs="+", default=["collate", "loader", "workers"])
+    parser.add_argument("--tables", nargs="+", default=["collate", "loader", "workers", "images"])
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "collate.md"))
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -228,6 +266,11 @@ def main() -> None:
         if "workers" in args.tables:
             table = workers_table(data, args.batch, args.workers, args.worker_repeats)
             parts.append(f"workers, {what}, {args.worker_repeats} repeats:\n\n" + table)
+    if "images" in args.tables:
+        table = images_table(args.workers, args.worker_repeats)
+        parts.append(
+            f"images, 1024 of 3x224x224 float32, batch 32, {args.worker_repeats} repeats:\n\n" + table
+        )
     parts.append(f"load average after: {common.load_average()}")
     common.write_report("\n\n".join(parts), args.out, echo=False)
 

@@ -157,3 +157,18 @@ def test_the_fast_path_gives_the_careful_paths_batch(kind, tmp_path):
     rows[:] = np.arange(12).reshape(4, 3)
     samples = [KINDS[kind](i, rows) for i in range(4)]
     assert_same_batch(collate(samples), _collate_checked(samples))
+
+
+def _collate_in_worker(samples):
+    batch = collate(samples)
+    return batch, {key: leaf.is_shared() for key, leaf in batch.items()}
+
+
+def test_in_a_worker_the_batch_is_stacked_into_shared_memory():
+    # As default_collate does: the batch is then not copied into shared memory again to reach the loop.
+    samples = [{"x": torch.full((3,), float(i)), "row": np.arange(4.0) + i, "y": i} for i in range(8)]
+    loader = torch.utils.data.DataLoader(samples, batch_size=4, num_workers=1, collate_fn=_collate_in_worker)
+    for (batch, shared), part in zip(loader, (samples[:4], samples[4:])):
+        assert shared["x"] and shared["row"]
+        assert_same_batch(batch, collate(part))
+    assert not collate(samples)["x"].is_shared()  # in this process: plain memory

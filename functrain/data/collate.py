@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Sequence
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 import optree
 import torch
+from torch.utils.data import get_worker_info
 
 from functrain import tree
 
@@ -72,7 +74,7 @@ def _stack_columns(values: list[Any]) -> Any:
     first = values[0]
     cls = type(first)
     if isinstance(first, torch.Tensor):
-        return torch.stack(values)  # raises for a non-tensor or another shape
+        return _stack_tensors(values)  # raises for a non-tensor or another shape
     if cls is dict:
         # Same type and size everywhere, and every key of the first found in each (a KeyError otherwise):
         # the same keys. set(map(...)) runs in C, a loop over the samples would not.
@@ -93,7 +95,7 @@ def _stack_columns(values: list[Any]) -> Any:
             issubclass(t, np.ndarray) for t in set(map(type, values))
         ):
             raise _Differs
-        return torch.from_numpy(np.stack(values))  # raises for another shape
+        return _stack_arrays(values)  # raises for another shape
     types = set(map(type, values))
     if cls is bool and types == {bool}:
         return torch.tensor(values, dtype=torch.bool)
@@ -110,6 +112,35 @@ def _stack_columns(values: list[Any]) -> Any:
             raise _Differs
         return cls(**{name: _stack_columns([getattr(v, name) for v in values]) for name in fields[0]})
     raise _Differs
+
+
+# In a DataLoader worker a batch reaches the main process through shared memory: stacked into shared
+# memory at once (as default_collate does), it is not copied there again when sent (a batch of 32
+# 3x224x224 images with 2 workers took 1.9x default_collate's time without this).
+
+
+def _stack_tensors(values: list[torch.Tensor]) -> torch.Tensor:
+    first = values[0]
+    if get_worker_info() is None or first.device.type != "cpu":
+        return torch.stack(values)
+    return torch.stack(values, out=_shared_empty((len(values), *first.shape), first.dtype))
+
+
+def _stack_arrays(values: list[np.ndarray]) -> torch.Tensor:
+    first = values[0]
+    if get_worker_info() is None or any(value.dtype != first.dtype for value in values):
+        return torch.from_numpy(np.stack(values))
+    out = _shared_empty((len(values), *first.shape), torch.from_numpy(np.empty(0, first.dtype)).dtype)
+    np.stack(values, out=out.numpy())
+    return out
+
+
+def _shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    # torch's own default_collate allocates its output this way (no public call makes a shared tensor
+    # without copying into it).
+    template = torch.empty(0, dtype=dtype)
+    storage = template._typed_storage()._new_shared(math.prod(shape), device=template.device)
+    return template.new(storage).resize_(shape)
 
 
 # The careful path: every sample flattened and compared with the first, every leaf's kind and shape checked.
