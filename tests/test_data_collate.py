@@ -167,8 +167,11 @@ def _collate_in_worker(samples):
 def test_in_a_worker_the_batch_is_stacked_into_shared_memory():
     # As default_collate does: the batch is then not copied into shared memory again to reach the loop.
     samples = [{"x": torch.full((3,), float(i)), "row": np.arange(4.0) + i, "y": i} for i in range(8)]
+    samples[7]["x"] = samples[7]["x"].double()  # mixed dtypes: promoted, as in this process
     loader = torch.utils.data.DataLoader(samples, batch_size=4, num_workers=1, collate_fn=_collate_in_worker)
-    for (batch, shared), part in zip(loader, (samples[:4], samples[4:])):
-        assert shared["x"] and shared["row"]
-        assert_same_batch(batch, collate(part))
-    assert not collate(samples)["x"].is_shared()  # in this process: plain memory
+    (first, shared), (second, _) = loader
+    assert shared["x"] and shared["row"]
+    assert_same_batch(first, collate(samples[:4]))
+    assert_same_batch(second, collate(samples[4:]))
+    assert second["x"].dtype == torch.float64
+    assert not collate(samples)["row"].is_shared()  # in this process: plain memory

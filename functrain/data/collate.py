@@ -121,18 +121,23 @@ def _stack_columns(values: list[Any]) -> Any:
 
 def _stack_tensors(values: list[torch.Tensor]) -> torch.Tensor:
     first = values[0]
-    if get_worker_info() is None or first.device.type != "cpu":
-        return torch.stack(values)
+    if get_worker_info() is None or first.device.type != "cpu" or not _one_dtype(values):
+        return torch.stack(values)  # mixed dtypes: stack promotes them, where out= would cast to the first's
     return torch.stack(values, out=_shared_empty((len(values), *first.shape), first.dtype))
 
 
 def _stack_arrays(values: list[np.ndarray]) -> torch.Tensor:
     first = values[0]
-    if get_worker_info() is None or any(value.dtype != first.dtype for value in values):
+    if get_worker_info() is None or not _one_dtype(values):
         return torch.from_numpy(np.stack(values))
     out = _shared_empty((len(values), *first.shape), torch.from_numpy(np.empty(0, first.dtype)).dtype)
     np.stack(values, out=out.numpy())
     return out
+
+
+def _one_dtype(values: list[Any]) -> bool:
+    dtype = values[0].dtype
+    return all(value.dtype == dtype for value in values)
 
 
 def _shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
