@@ -78,8 +78,8 @@ class Loader:
     asynchronous CUDA copies.
 
     ``num_workers`` processes load a map-style dataset's examples; ``persistent_workers`` (default)
-    keeps them from one epoch to the next (new ones made each epoch's first batch wait 140 ms against
-    17 ms), with the batches of new workers: each epoch reseeds them as torch seeds a new worker. They
+    keeps them from one epoch to the next (new ones made each epoch's first batch wait 85-140 ms against
+    12-17 ms), with the batches of new workers: each epoch reseeds them as torch seeds a new worker. They
     keep the dataset as it was when they started: a change made to it between epochs needs
     ``persistent_workers=False``.
     ``prefetch_factor`` (batches loaded ahead per worker) and ``worker_init_fn`` (called once in each

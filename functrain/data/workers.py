@@ -1,7 +1,7 @@
 """Worker processes for a map-style dataset: started once and reused by every epoch.
 
 A ``torch.utils.data.DataLoader`` made per epoch starts its worker processes per epoch (the first batch
-of the second epoch waited 140 ms for them, against 17 ms with persistent workers: benchmarks/README.md).
+of the second epoch waited 85-140 ms for them, 12-17 ms with persistent workers: benchmarks/README.md).
 :class:`BatchRunner` keeps one DataLoader with ``persistent_workers=True`` whose batch plan is replaced
 before each pass, so the workers outlive the epoch.
 
