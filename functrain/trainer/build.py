@@ -290,6 +290,8 @@ def loader(
         "drop_last": config.drop_last if train else False,
         "collate_fn": collate_fn,
         "num_workers": config.num_workers,
+        "persistent_workers": config.persistent_workers,
+        "prefetch_factor": config.prefetch_factor,
         "pin_memory": config.pin_memory,
         "device": device,
     }
