@@ -128,6 +128,21 @@ def test_resume_takes_overrides_and_additional_steps(project: Path):
     assert "epochs: 3" in (project / "runs" / "a" / "config.yaml").read_text()  # the next --resume's too
 
 
+@pytest.mark.slow
+def test_the_hint_of_an_interrupted_additional_run_trains_what_was_left(project: Path):
+    out = functrain(project, "train", "conf/run.yaml", "output_dir=runs/x", "train_dataset=mytask:Slow")
+    assert out.returncode == 0, out.stderr[-3000:]  # 1 epoch: 4 steps
+    err = _interrupted(project, ["train", "--resume", "runs/x", "--additional-epochs", "4", "print_steps=1"])
+    stopped = int(err.partition(" at step ")[2].split(",")[0])
+    hint = err.strip().splitlines()[-1].partition("continue with: ")[2]
+    assert 4 < stopped < 20 and hint == f"functrain train --resume runs/x --additional-steps {20 - stopped}"
+    resumed = subprocess.run(
+        [sys.executable, "-m", *shlex.split(hint)], cwd=project, capture_output=True, text=True, env=_env()
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads(resumed.stdout.strip().splitlines()[-1])["step"] == 20  # the 4 more epochs, no more
+
+
 @pytest.mark.parametrize(
     ("argv", "needles"),
     [
@@ -170,3 +185,22 @@ def test_eval_says_its_step_and_that_it_skipped_an_unreadable_newest_checkpoint(
         f"step 4 ({folder / 'step_0000000004.ckpt'})"
     ) in out.stderr
     assert out.stderr.count("ignoring unreadable checkpoint") == 1, out.stderr  # before: three times
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_write_the_same_new_version(tmp_path: Path):
+    """Sharded checkpoints are written by every rank: all of them must take rank 0's folder."""
+    from test_sharding_trainer import _torchrun_cli
+    from test_trainer import write_config
+
+    from functrain.checkpoint import sharded
+
+    path = write_config(tmp_path, epochs=1, batch_size=8, test_dataset=None)
+    _torchrun_cli(tmp_path, str(path), "sharding=params")
+    first = {p: p.read_bytes() for p in (tmp_path / "cli_run").rglob("*") if p.is_file()}
+    again = _torchrun_cli(tmp_path, str(path), "sharding=params")
+    version = tmp_path / "cli_run-1"
+    assert again.stderr.count(f"this run writes '{version}'") == 1  # rank 0 says it
+    assert sharded.sharded_steps(version / "checkpoints") == [4]
+    assert sharded._Source(version / "checkpoints", 4).world_size == 2  # both ranks' files are there
+    assert {p: p.read_bytes() for p in (tmp_path / "cli_run").rglob("*") if p.is_file()} == first

@@ -58,10 +58,7 @@ def _build_trainer(config_path: str | None, overrides: Sequence[str], *, resume:
 
     # mytask.py beside run.yaml (or in the current directory) imports without PYTHONPATH; a resumed run
     # imports from where its config was first read (its launch.json)
-    if resume is not None:
-        add_import_dirs({**_recorded_import_dirs(resume), "the current directory": "."})
-    else:
-        add_import_dirs(_import_dirs(config_path))
+    add_import_dirs(_import_dirs(config_path, resume))
     cfg, _ = load_config(config_path, overrides, resume=resume)
     if cfg.model is None:
         raise ConfigError.single("model", "the config names no model", "set model: package.module:ModelClass")
@@ -93,40 +90,44 @@ def _build_trainer(config_path: str | None, overrides: Sequence[str], *, resume:
 _LAUNCH = "launch.json"
 
 
-def _import_dirs(config_path: str | None) -> dict[str, str]:
-    return {
-        "the config's directory": os.path.dirname(os.path.abspath(config_path or ".")),
-        "the current directory": ".",
-    }
+def _import_dirs(config_path: str | None, resume: str | None = None) -> dict[str, str]:
+    """Where the config's import specs are imported from: the config's directory and the current one, or
+    for ``--resume RUN_DIR`` the directories the run recorded (its ``launch.json``) and the current one."""
+    if resume is None:
+        config_dir = os.path.dirname(os.path.abspath(str(config_path)))
+        return {"the config's directory": config_dir, "the current directory": "."}
+    recorded = {f"import directory {i} of the run": d for i, d in enumerate(_recorded_import_dirs(resume), 1)}
+    return {**recorded, "the current directory": "."}
 
 
-def _recorded_import_dirs(run_dir: str) -> dict[str, str]:
-    """The import directories a run was started with (its ``launch.json``), named as then; none if absent."""
+def _recorded_import_dirs(run_dir: str) -> list[str]:
+    """The import directories a run recorded (its ``launch.json``), first searched first."""
     try:
         dirs = json.loads((Path(run_dir) / _LAUNCH).read_text())["import_dirs"]
     except (OSError, ValueError, KeyError, TypeError):
-        return {}
-    return {f"{what} of the run": d for what, d in dirs.items() if isinstance(d, str)}
+        return []
+    return [d for d in dirs if isinstance(d, str)] if isinstance(dirs, list) else []
 
 
-def _launch_record(trainer: Any, dirs: dict[str, str]) -> Any:
-    """A callback writing ``launch.json`` into the run directory once it exists (rank 0, train begin)."""
+def _record_launch(trainer: Any, dirs: dict[str, str]) -> None:
+    """Have ``trainer`` write ``launch.json`` into its run directory once it exists (rank 0, train begin):
+    its import directories, absolute (a ``--resume`` may run from another directory)."""
     from functrain import distributed
     from functrain.callbacks import LambdaCallback
     from functrain.config.yaml_io import write_text_atomic
 
-    record = {"import_dirs": {what: os.path.abspath(d) for what, d in dirs.items()}}
+    record = {"import_dirs": list(dict.fromkeys(os.path.abspath(d) for d in dirs.values()))}
 
     def write(state: Any, ctx: Any) -> Any:
         if distributed.is_main_process():
             write_text_atomic(Path(trainer.config.output_dir) / _LAUNCH, json.dumps(record, indent=1) + "\n")
         return state
 
-    return LambdaCallback("launch_record", on_train_begin=write)
+    trainer.extra_callbacks.append(LambdaCallback("launch_record", on_train_begin=write))
 
 
 def _run_length(trainer: Any) -> dict[str, int]:
-    """A callback's view of the run's total length in optimizer steps, set as training begins."""
+    """``{"total": N}``, the run's length in optimizer steps, filled in as ``trainer`` begins training."""
     from functrain.callbacks import LambdaCallback
 
     seen: dict[str, int] = {}
@@ -189,8 +190,7 @@ def _train(args: argparse.Namespace) -> int:
 
     with distributed.initialize():  # torchrun: one process per device; plain python: a no-op
         trainer = _build_trainer(config, overrides, resume=args.resume)
-        dirs = _recorded_import_dirs(args.resume) if args.resume is not None else {}
-        trainer.extra_callbacks.append(_launch_record(trainer, dirs or _import_dirs(config)))
+        _record_launch(trainer, _import_dirs(config, args.resume))  # for the next --resume
         length = _run_length(trainer)
         result = trainer.train(
             additional_epochs=args.additional_epochs, additional_steps=args.additional_steps
@@ -201,8 +201,8 @@ def _train(args: argparse.Namespace) -> int:
                 {k.replace("eval/", "test/"): v for k, v in trainer.evaluate(trainer.test_dataset).items()}
             )
         step = ensemble.run_step(result.state)
-        main = distributed.is_main_process()
-        if main:
+        is_main = distributed.is_main_process()
+        if is_main:
             if trainer.config.sweep:
                 best = trainer.sweep_best
                 summary = {"best_member": best, **trainer.sweep_members[best], **summary}
@@ -210,7 +210,7 @@ def _train(args: argparse.Namespace) -> int:
     if not result.preempted:
         return 0
     status = _preempted_status(result.stop_reason)
-    if main:
+    if is_main:
         extending = args.additional_epochs is not None or args.additional_steps is not None
         rest = length.get("total", step) - step
         command = ["functrain", "train", "--resume", trainer.config.output_dir]
