@@ -281,7 +281,9 @@ class TrainerConfig(ConfigSection):
         None, doc="Checkpoint or weights file to initialize the model from (weights only, not the run)."
     )
     resume_from_checkpoint: bool | str = option(
-        False, doc="true: resume from the latest checkpoint (fresh start if none); a path: that checkpoint."
+        False,
+        doc="true: resume the run in output_dir from its latest checkpoint (fresh start if none); a path: "
+        "that checkpoint. functrain train --resume RUN_DIR sets it, with RUN_DIR's saved config.",
     )
     # -- logging
     log_steps: int = option(10, doc="Optimizer steps between logged training scalars.", minimum=1)
