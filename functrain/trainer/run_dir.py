@@ -4,14 +4,16 @@ against it, and what ``resume_from_checkpoint`` resumes.
 A rerun never refuses and never overwrites: when ``output_dir`` already holds a run and the config asks
 neither to resume it nor to overwrite it, the run writes the first free version beside it,
 ``<output_dir>-1``, ``<output_dir>-2``, ... (Lightning's ``version_N``, as siblings: each version is a
-whole run directory, resumed with ``functrain train --resume <dir>`` like any other).
+whole run directory, resumed with ``functrain train --resume <dir>`` like any other). Two runs started
+at the same moment in one ``output_dir`` may both choose the same free version: give concurrent runs
+their own ``output_dir``.
 
 Example:
     >>> import functrain as ft
     >>> resume_argument(ft.TrainerConfig(max_steps=1))
     False
-    >>> version_path(Path("runs/reg"), 2).as_posix()
-    'runs/reg-2'
+    >>> resolve(ft.TrainerConfig(output_dir="runs/reg", max_steps=1))  # doctest: +SKIP
+    PosixPath('runs/reg-1')
 """
 
 from __future__ import annotations
@@ -58,7 +60,12 @@ def holds_a_run(out: Path) -> bool:
 
 
 def version_path(out: Path, version: int) -> Path:
-    """The folder of ``out``'s version ``version`` (``0``: ``out`` itself), a sibling of ``out``."""
+    """The folder of ``out``'s version ``version`` (``0``: ``out`` itself), a sibling of ``out``.
+
+    Example:
+        >>> version_path(Path("runs/reg"), 1).as_posix(), version_path(Path("runs/reg"), 0).as_posix()
+        ('runs/reg-1', 'runs/reg')
+    """
     if version == 0:
         return out
     name = out.name or Path(os.path.abspath(out)).name  # "." and "runs/" name their folder too
