@@ -36,7 +36,7 @@ CASES: dict[str, list[str]] = {
     "import torch (baseline)": ["-c", "import torch"],
     "python (empty)": ["-c", "pass"],
     "train missing.yaml": ["-m", "functrain", "train", "missing.yaml"],
-    "train, output_dir holds a run": ["-m", "functrain", "train", "run.yaml"],
+    "train --resume of a folder that is no run": ["-m", "functrain", "train", "--resume", "out"],
     "predict without test_dataset": ["-m", "functrain", "predict", "run.yaml", "--output", "p.ckpt"],
     "eval --checkpoint nope.ckpt": ["-m", "functrain", "eval", "run.yaml", "--checkpoint", "nope.ckpt"],
     "summary of a bad yaml": ["-m", "functrain", "summary", "bad.yaml"],
@@ -78,8 +78,7 @@ def main() -> None:
         project = Path(tmp)
         (project / "run.yaml").write_text(_RUN.format(out=project / "out"))
         (project / "bad.yaml").write_text("epochs: [1,\nmodel: mytask:Net\n")
-        (project / "out").mkdir()
-        (project / "out" / "config.yaml").write_text("another run\n")
+        (project / "out").mkdir()  # no config.yaml: not a run directory
         env = {**os.environ, "PYTHONPATH": str(args.root), "OMP_NUM_THREADS": "1"}
         times: dict[str, list[float]] = {name: [] for name in CASES}
         statuses: dict[str, set[int]] = {name: set() for name in CASES}

@@ -219,6 +219,25 @@ def test_unreadable_checkpoint_is_not_latest(tmp_path):
         assert manager.latest() == 1
 
 
+def test_an_unreadable_checkpoint_is_warned_about_once_per_process(tmp_path):
+    import warnings
+
+    manager = CheckpointManager(tmp_path, fsync=False, best_metric="loss")
+    manager.save(1, {"w": torch.ones(2)}, metrics={"loss": 0.5})
+    with open(manager.path(2), "wb") as f:
+        f.write(b"garbage")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")  # Python's own once-per-place filter off: ours alone decides
+        another = CheckpointManager(tmp_path, fsync=False, best_metric="loss")  # the CLI opens several
+        assert manager.latest() == 1 and manager.best() == 1 and another.latest() == 1
+        warned = [str(w.message) for w in seen if "unreadable" in str(w.message)]
+        assert len(warned) == 1 and manager.path(2) in warned[0]
+        with open(manager.path(2), "wb") as f:  # another bad version of the file: news again
+            f.write(b"other garbage")
+        assert manager.latest() == 1
+    assert sum("unreadable" in str(w.message) for w in seen) == 2
+
+
 def test_header_of_an_unreadable_checkpoint_raises_its_error_once_without_a_warning(tmp_path):
     import warnings
 

@@ -149,14 +149,15 @@ def test_refusals_are_one_line_before_torch_is_imported(project: Path, argv, com
     assert not _imported_torch(out.stderr), "refused only after importing torch"
 
 
-def test_a_run_in_output_dir_is_refused_before_torch_and_left_as_it_was(project: Path):
+def test_a_run_in_output_dir_is_left_as_it_was_and_the_rerun_writes_a_new_version(project: Path):
     (project / "out").mkdir()
     (project / "out" / "config.yaml").write_text("another run\n")
-    out = functrain(project, "train", "run.yaml", importtime=True)
-    assert_one_line_refusal(out, "train", "already holds a run", "resume_from_checkpoint=true", "output_dir=")
-    assert not _imported_torch(out.stderr)
+    out = functrain(project, "train", "run.yaml")  # before: refused, "already holds a run"
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"this run writes '{project / 'out-1'}'" in out.stderr
     assert os.listdir(project / "out") == ["config.yaml"]
     assert (project / "out" / "config.yaml").read_text() == "another run\n"
+    assert sorted(os.listdir(project / "out-1")) == ["checkpoints", "config.yaml", "launch.json", "logs"]
 
 
 def test_an_exception_in_the_users_code_names_their_file_and_line(project: Path):
@@ -226,10 +227,12 @@ def test_preempted_run_exits_128_plus_the_signal_and_resumes(project: Path, sig:
             break
     _, err = proc.communicate(timeout=240)
     assert proc.returncode == status, err[-3000:]
-    assert f"preempted by {signal.Signals(sig).name}" in err and "resume_from_checkpoint=true" in err
+    assert f"preempted by {signal.Signals(sig).name}" in err
+    assert err.strip().endswith(f"continue with: functrain train --resume {project / 'out'}")
     assert "Traceback" not in err
     saved = os.listdir(project / "out" / "checkpoints")
     assert saved and all(int(re.findall(r"\d+", f)[0]) < 12 for f in saved)  # stopped before the end
+    # naming the run's output_dir still resumes it (the CONFIG.yaml's own here)
     resumed = functrain(project, *argv[:3], "epochs=3", "resume_from_checkpoint=true")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert '"step": 12' in resumed.stdout  # 3 epochs of 4 batches, finished

@@ -438,7 +438,7 @@ def test_help_lists_every_field_with_type_default_and_meaning() -> None:
     for path in leaf_paths(TrainerConfig):
         assert f"\n{path}: " in text, path
     assert "optimizer.lr: float = 0.001  (must be > 0)" in text
-    assert "eval_strategy: 'no' | 'steps' | 'epoch' = epoch" in text
+    assert "eval_strategy: 'auto' | 'no' | 'steps' | 'epoch' = auto" in text
     assert "early_stopping: section (null: off)" in text
     assert "Optimizer steps between evaluations" in text
     assert len(leaf_paths(TrainerConfig)) > 50

@@ -72,18 +72,102 @@ def test_trainer_runs_and_writes_a_run_directory(tmp_path: Path):
         assert torch.equal(fresh.state.params[k], trainer.state.params[k])
 
 
-def test_trainer_refuses_to_clobber_a_run(tmp_path: Path):
+def test_a_rerun_writes_a_new_version_and_never_refuses_or_overwrites(tmp_path: Path, capsys):
     cfg = small_config(tmp_path, epochs=1)
     ft.Trainer(SmallNet(), cfg, make_dataset(32), make_dataset(16)).train()
-    with pytest.raises(FileExistsError, match="overwrite_output_dir"):
-        ft.Trainer(SmallNet(), cfg, make_dataset(32), make_dataset(16)).train()
-    again = ft.Trainer(SmallNet(), cfg.replace(overwrite_output_dir=True), make_dataset(32), make_dataset(16))
-    assert int(again.train().state.step) == 2
+    first = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
+    capsys.readouterr()
+    for version in (1, 2):
+        again = ft.Trainer(SmallNet(), cfg, make_dataset(32), make_dataset(16))
+        assert int(again.train().state.step) == 2  # before: FileExistsError
+        out = tmp_path / f"run-{version}"
+        assert again.config.output_dir == str(out)
+        assert f"this run writes '{out}'" in capsys.readouterr().err
+        assert ft.TrainerConfig.from_yaml(out / "config.yaml").output_dir == str(out)
+        assert checkpoint.CheckpointManager(out / "checkpoints").latest() == 2
+    assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()} == first
+    replaced = ft.Trainer(
+        SmallNet(), cfg.replace(overwrite_output_dir=True), make_dataset(32), make_dataset(16)
+    )
+    assert int(replaced.train().state.step) == 2 and replaced.config.output_dir == cfg.output_dir
+    assert not (tmp_path / "run-3").exists()
+    resumed = ft.Trainer(SmallNet(), cfg.replace(resume_from_checkpoint=True, epochs=2), make_dataset(32))
+    assert int(resumed.train().state.step) == 4 and resumed.config.output_dir == cfg.output_dir
 
 
-def test_eval_strategy_without_eval_dataset_is_explained(tmp_path: Path):
-    with pytest.raises(ft.ConfigError, match="eval_dataset"):
-        ft.Trainer(SmallNet(), small_config(tmp_path), make_dataset(32))
+def test_a_resume_says_once_from_which_step_and_file(tmp_path: Path, capsys):
+    cfg = small_config(tmp_path, epochs=1)
+    ft.Trainer(SmallNet(), cfg, make_dataset(32), make_dataset(16)).train()
+    assert "resumed from" not in capsys.readouterr().err
+    resumed = ft.Trainer(SmallNet(), cfg.replace(epochs=2, resume_from_checkpoint=True), make_dataset(32))
+    assert int(resumed.train().state.step) == 4
+    path = tmp_path / "run" / "checkpoints" / "step_0000000002.ckpt"
+    assert capsys.readouterr().err.count(f"resumed from step 2 ({path})") == 1
+
+
+def test_the_version_folder_is_chosen_by_rank_0_and_broadcast(tmp_path: Path, monkeypatch):
+    """torchrun: rank 0 looks at the folder, every rank takes its answer (a rank that sees another
+    filesystem state agrees all the same)."""
+    from functrain import distributed
+    from functrain.trainer import run_dir
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("a run\n")
+    cfg = small_config(tmp_path)
+    sent = []
+    monkeypatch.setattr(distributed, "is_distributed", lambda: True)
+    monkeypatch.setattr(distributed, "replicate", lambda x: sent.append(int(x)) or torch.tensor(5))
+    monkeypatch.setattr(distributed, "is_main_process", lambda: False)
+    assert run_dir.resolve(cfg) == tmp_path / "run-5"  # rank 0's answer, not its own look
+    assert sent == [0]
+    monkeypatch.setattr(distributed, "is_main_process", lambda: True)
+    monkeypatch.setattr(distributed, "replicate", lambda x: sent.append(int(x)) or x)
+    assert run_dir.resolve(cfg) == tmp_path / "run-1" and sent == [0, 1]
+
+
+def test_no_eval_dataset_trains_without_evaluating(tmp_path: Path):
+    trainer = ft.Trainer(SmallNet(), small_config(tmp_path, metrics=[]), make_dataset(32))  # before: refused
+    result = trainer.train()
+    assert int(result.state.step) == 4 and not result.eval_metrics
+    assert trainer.config.eval_strategy == "no"
+    assert "eval/" not in (tmp_path / "run" / "logs" / "metrics.jsonl").read_text()
+    evaluated = ft.Trainer(SmallNet(), small_config(tmp_path / "e"), make_dataset(32), make_dataset(16))
+    assert evaluated.config.eval_strategy == "epoch"  # auto: every epoch when there is an eval set
+    assert set(evaluated.train().eval_metrics) >= {"eval/loss", "eval/accuracy"}
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"eval_strategy": "epoch"}, "eval_strategy"),
+        ({"eval_strategy": "steps", "eval_steps": 2}, "eval_strategy"),
+        ({"early_stopping": {"monitor": "loss"}}, "early_stopping"),
+        ({"load_best_model_at_end": True}, "load_best_model_at_end"),
+    ],
+)
+def test_evaluation_asked_without_eval_dataset_names_the_argument(tmp_path: Path, fields, field):
+    with pytest.raises(ft.ConfigError, match=f"{field}: .*no eval_dataset was given") as err:
+        ft.Trainer(SmallNet(), small_config(tmp_path, **fields), make_dataset(32))
+    assert "Trainer(eval_dataset=...)" in str(err.value) and "eval_dataset: module:attr" in str(err.value)
+
+
+def test_save_strategy_no_writes_no_checkpoint(tmp_path: Path):
+    trainer = ft.Trainer(SmallNet(), small_config(tmp_path, save_strategy="no"), make_dataset(32))
+    assert int(trainer.train().state.step) == 4
+    assert not (tmp_path / "run" / "checkpoints").exists()  # before: the final state was saved
+
+
+def test_save_strategy_no_still_saves_where_a_preempted_run_stopped(tmp_path: Path):
+    class Preempt(ft.callbacks.Callback):  # SIGTERM as step 1 ends: the run stops after step 2
+        def on_step_end(self, state, ctx):
+            if ctx.step == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return state
+
+    cfg = small_config(tmp_path, save_strategy="no")
+    result = ft.Trainer(SmallNet(), cfg, make_dataset(32), callbacks=[Preempt()]).train()
+    assert result.preempted and int(result.state.step) == 2
+    assert checkpoint.CheckpointManager(tmp_path / "run" / "checkpoints").all_steps() == [2]  # to resume from
 
 
 def test_freeze_and_init_weights_from(tmp_path: Path):
@@ -405,7 +489,7 @@ def test_every_config_field_is_consumed():
 
 def test_compile_cache_in_the_run_directory_is_opt_in(tmp_path: Path):
     # The cache folder alone does not make output_dir "hold a run" (it may come from evaluate()).
-    from functrain.trainer import COMPILE_CACHE_DIR
+    from functrain.trainer import COMPILE_CACHE_DIR, run_dir
 
     default = ft.Trainer(
         SmallNet(), small_config(tmp_path, compile=True, eval_strategy="no"), make_dataset(32)
@@ -419,7 +503,7 @@ def test_compile_cache_in_the_run_directory_is_opt_in(tmp_path: Path):
     step = trainer._jit("train", trainer.train_step)  # wrapping compiles nothing yet
     assert Path(step.cache_dir) == tmp_path / "run" / COMPILE_CACHE_DIR
     (tmp_path / "run" / COMPILE_CACHE_DIR).mkdir(parents=True)
-    trainer._check_output_dir(tmp_path / "run")
+    assert run_dir.resolve(trainer.config) == tmp_path / "run"  # not a run: no new version for it
     eager = ft.Trainer(SmallNet(), small_config(tmp_path / "e", eval_strategy="no"), make_dataset(32))
     assert eager._jit("train", eager.train_step).cache_dir is None
 

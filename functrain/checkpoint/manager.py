@@ -40,6 +40,8 @@ from functrain.distributed.env import is_main_process
 __all__ = ["CheckpointManager"]
 
 _NAME = re.compile(r"^step_(\d+)\.ckpt$")
+# (path, (mtime_ns, size)) of the unreadable checkpoint files already warned about in this process
+_WARNED_UNREADABLE: set[tuple[str, tuple[int, int]]] = set()
 
 
 class CheckpointManager:
@@ -182,10 +184,15 @@ class CheckpointManager:
         return header
 
     def _readable_header(self, step: int) -> CheckpointHeader | None:
-        """The header at ``step``, or ``None``: an unreadable file is warned about and skipped."""
+        """The header at ``step``, or ``None``: an unreadable file is skipped, and warned about once per
+        process (``latest()``, ``best()`` and retention all ask, from more than one manager)."""
         header = self._cached_header(step)
         if isinstance(header, CheckpointError):
-            warnings.warn(f"ignoring unreadable checkpoint: {header}", stacklevel=3)
+            path = self.path(step)
+            seen = (path, self._headers[path][0])  # a new version of the file is news again
+            if seen not in _WARNED_UNREADABLE:
+                _WARNED_UNREADABLE.add(seen)
+                warnings.warn(f"ignoring unreadable checkpoint: {header}", stacklevel=3)
             return None
         return header
 

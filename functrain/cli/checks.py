@@ -1,9 +1,9 @@
 """The ``functrain`` command's checks before it imports torch or the user's code.
 
 Everything that can be told from the YAML file, the overrides and the file system is checked here, in
-well under a second: the config file readable and valid (import specs by their form only, see
-:func:`functrain.config.imports.deferred_imports`), the objects the command needs named, ``output_dir``
-free or resumable, checkpoint paths present. Each refusal is a :class:`~functrain.config.ConfigError`
+well under a second: the config file (or ``--resume RUN_DIR``'s saved one) readable and valid (import
+specs by their form only, see :func:`functrain.config.imports.deferred_imports`), the objects the command
+needs named, checkpoint paths present. Each refusal is a :class:`~functrain.config.ConfigError`
 whose fix names the override (or YAML line) that makes the command work. The Trainer checks the same
 things again once the objects are built and stays the authority; these are the early, cheap answers.
 
@@ -24,43 +24,37 @@ from functrain.config.errors import ConfigError, Problem
 if TYPE_CHECKING:
     from functrain.config.trainer_config import TrainerConfig
 
-__all__ = ["preflight"]
+__all__ = ["RUN_CONFIG", "load_config", "preflight", "run_config"]
 
-# Kept in output_dir across runs and not a run by itself (functrain.trainer.COMPILE_CACHE_DIR).
-_COMPILE_CACHE_DIR = "compile-cache"
+# The resolved config the Trainer saves in its run directory (functrain.trainer.run_dir.start).
+RUN_CONFIG = "config.yaml"
 # functrain.checkpoint.manager's file names, and a sharded run's folders (functrain.checkpoint.sharded)
 _CHECKPOINT_NAME = re.compile(r"^step_\d+\.(ckpt|shards)$")
 
 
 def preflight(
     command: str,
-    config_path: str,
+    config_path: str | None,
     overrides: Sequence[str],
     *,
     split: str | None = None,
     checkpoint: str | None = None,
+    resume: str | None = None,
 ) -> TrainerConfig:
     """Check what ``functrain COMMAND CONFIG.yaml OVERRIDES`` needs, importing neither torch nor the
     user's modules; returns the config (import specs not yet imported) or raises ``ConfigError``.
 
     ``split`` is the dataset eval/predict read (``"eval"``, ``"test"``, ``"train"``), ``checkpoint`` their
-    ``--checkpoint``.
+    ``--checkpoint``, ``resume`` train's ``--resume RUN_DIR`` (then ``config_path`` is ``None``).
 
     Example:
         >>> preflight("predict", "run.yaml", [], split="test")  # doctest: +SKIP
         ConfigError: test_dataset: the config names none. Fix: pass test_dataset=mytask:test_set ...
     """
     from functrain.config.imports import deferred_imports
-    from functrain.config.trainer_config import TrainerConfig
 
-    path = Path(config_path)
-    if not path.is_file():
-        what = "is a directory, not a config file" if path.is_dir() else "no such file"
-        raise ConfigError.single(config_path, what, "give the path of a YAML config file, e.g. run.yaml")
     with deferred_imports():
-        config = TrainerConfig.from_yaml(path)
-        if overrides:
-            config = config.with_overrides(list(overrides))
+        config, path = load_config(config_path, overrides, resume=resume)
     problems = _missing_objects(command, config, path.name, split)
     if command == "train":
         problems += _train_paths(config)
@@ -71,6 +65,59 @@ def preflight(
     return config
 
 
+def load_config(
+    config_path: str | None, overrides: Sequence[str], *, resume: str | None = None
+) -> tuple[TrainerConfig, Path]:
+    """The config of ``CONFIG.yaml OVERRIDES``, or of ``--resume RUN_DIR OVERRIDES``: the run's saved
+    ``config.yaml`` continued in place (``output_dir`` that folder, ``resume_from_checkpoint: true`` unless
+    an override names a checkpoint); with the file it was read from.
+
+    Example:
+        >>> load_config(None, ["epochs=80"], resume="runs/sig")[0].output_dir  # doctest: +SKIP
+        'runs/sig'
+    """
+    from functrain.config.trainer_config import TrainerConfig
+
+    if resume is not None:
+        path = run_config(resume)
+        given = [o for o in overrides if o.partition("=")[0].strip() == "output_dir"]
+        if given:
+            raise ConfigError.single(
+                "output_dir",
+                f"{given[0]!r} with --resume, which continues {resume} in place",
+                f"drop {given[0]!r}",
+            )
+        config = TrainerConfig.from_yaml(path).replace(output_dir=resume, resume_from_checkpoint=True)
+    else:
+        if config_path is None:
+            raise ConfigError.single("CONFIG.yaml", "none given", "give a config file, or --resume RUN_DIR")
+        path = Path(config_path)
+        if not path.is_file():
+            what = "is a directory, not a config file" if path.is_dir() else "no such file"
+            fix = "give the path of a YAML config file, e.g. run.yaml"
+            if path.is_dir() and (path / RUN_CONFIG).is_file():
+                fix += f", or continue that run with --resume {path}"
+            raise ConfigError.single(config_path, what, fix)
+        config = TrainerConfig.from_yaml(path)
+    if overrides:
+        config = config.with_overrides(list(overrides))
+    return config, path
+
+
+def run_config(run_dir: str) -> Path:
+    """``RUN_DIR/config.yaml``, the config the Trainer saved there, or a ``ConfigError`` saying why not."""
+    path = Path(run_dir) / RUN_CONFIG
+    if not path.is_file():
+        what = "no such folder" if not Path(run_dir).exists() else f"holds no {RUN_CONFIG}"
+        raise ConfigError.single(
+            "--resume",
+            f"{run_dir}: {what}, so it is not a run directory (a run saves its {RUN_CONFIG} there as it "
+            "starts)",
+            "give the output_dir of a run, e.g. --resume runs/sig",
+        )
+    return path
+
+
 def _needed(command: str, config: TrainerConfig, split: str | None) -> list[str]:
     """The config fields naming the objects ``command`` builds or reads."""
     needed = ["model"]
@@ -78,7 +125,7 @@ def _needed(command: str, config: TrainerConfig, split: str | None) -> list[str]
         needed.append("train_dataset")
     if command in ("eval", "predict") and split:
         needed.append(f"{split}_dataset")
-    if config.eval_strategy != "no":  # the Trainer evaluates during training: it needs the data
+    if config.eval_strategy not in ("no", "auto"):  # the Trainer evaluates during training: it needs the data
         needed.append("eval_dataset")
     if command == "summary":
         needed = ["model"]
@@ -94,7 +141,7 @@ def _missing_objects(command: str, config: TrainerConfig, yaml_name: str, split:
         example = f"{module}:{'Net' if field == 'model' else field.replace('_dataset', '_set')}"
         fix = f"pass {field}={example} on the command line, or add '{field}: {example}' to {yaml_name}"
         if field == "eval_dataset" and command == "train":
-            fix += ", or turn evaluation off with eval_strategy=no"
+            fix += ", or eval_strategy=auto (evaluates only when there is an eval set)"
         problems.append(Problem(field, f"the config names none, and {command} needs it", fix))
     return problems
 
@@ -109,26 +156,8 @@ def _a_module_of(config: TrainerConfig) -> str:
     return "mytask"
 
 
-def _holds_a_run(out: Path) -> bool:
-    """Whether ``out`` holds anything but the compile cache (the Trainer's rule for "another run")."""
-    try:
-        return out.is_dir() and any(p.name != _COMPILE_CACHE_DIR for p in out.iterdir())
-    except OSError:
-        return False  # unreadable: the Trainer reports it with its own error
-
-
 def _train_paths(config: TrainerConfig) -> list[Problem]:
     problems = []
-    out = Path(config.output_dir)
-    if not (config.overwrite_output_dir or config.resume_from_checkpoint) and _holds_a_run(out):
-        problems.append(
-            Problem(
-                "output_dir",
-                f"{str(out)!r} already holds a run",
-                "pass resume_from_checkpoint=true to continue it, overwrite_output_dir=true to replace it, "
-                "or output_dir=ANOTHER_DIR",
-            )
-        )
     for field in ("resume_from_checkpoint", "init_weights_from"):
         value = getattr(config, field)
         if isinstance(value, str) and not os.path.exists(value):

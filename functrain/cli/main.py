@@ -2,7 +2,8 @@
 
     functrain demo                                  # a CNN on scikit-learn's digits, on the CPU
     functrain train run.yaml optimizer.lr=3e-4      # a run from a config file, with overrides
-    functrain eval run.yaml [--checkpoint CKPT]     # evaluate a trained run
+    functrain train --resume runs/sig               # continue that run (its saved config.yaml)
+    functrain eval run.yaml [--checkpoint CKPT]     # evaluate a trained run: its step, checkpoint, metrics
     functrain predict run.yaml --output preds.ckpt  # predictions: functrain.checkpoint.restore(path)["preds"]
     functrain inspect CKPT / export CKPT --format safetensors --output model.safetensors
     functrain plot RUN_DIR                          # loss and metric curves to a PNG
@@ -24,12 +25,14 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from functrain.cli.checks import preflight
+from functrain.cli.checks import load_config, preflight
 from functrain.cli.errors import BuildError, debug_requested, report
 
 __all__ = ["main", "run"]
@@ -45,24 +48,18 @@ _DEBUG_HELP = "print the traceback of an error too (or set FUNCTRAIN_DEBUG=1)"
 _EXIT_HELP = """\
 exit status: 0 done; 2 a user error (config, override, missing file, checkpoint, an error building the
 model or data), one line on stderr naming the fix; 1 any other failure; 143 (SIGTERM) or 130 (SIGINT):
-training was preempted, its checkpoint saved: resume with resume_from_checkpoint=true; 141 stdout
-closed. --debug (or FUNCTRAIN_DEBUG=1) adds the traceback to an error."""
+training was preempted, its checkpoint saved: continue it with the printed command, functrain train
+--resume OUTPUT_DIR; 141 stdout closed. --debug (or FUNCTRAIN_DEBUG=1) adds the traceback to an error."""
 
 
-def _build_trainer(config_path: str, overrides: Sequence[str]) -> Any:
-    from functrain.config import ConfigError, TrainerConfig, add_import_dirs, build_object
+def _build_trainer(config_path: str | None, overrides: Sequence[str], *, resume: str | None = None) -> Any:
+    from functrain.config import ConfigError, add_import_dirs, build_object
     from functrain.trainer import Trainer
 
-    # mytask.py beside run.yaml (or in the current directory) imports without PYTHONPATH
-    add_import_dirs(
-        {
-            "the config's directory": os.path.dirname(os.path.abspath(config_path)),
-            "the current directory": ".",
-        }
-    )
-    cfg = TrainerConfig.from_yaml(config_path)
-    if overrides:
-        cfg = cfg.with_overrides(list(overrides))
+    # mytask.py beside run.yaml (or in the current directory) imports without PYTHONPATH; a resumed run
+    # imports from where its config was first read (its launch.json)
+    add_import_dirs(_import_dirs(config_path, resume))
+    cfg, _ = load_config(config_path, overrides, resume=resume)
     if cfg.model is None:
         raise ConfigError.single("model", "the config names no model", "set model: package.module:ModelClass")
 
@@ -88,12 +85,76 @@ def _build_trainer(config_path: str, overrides: Sequence[str]) -> Any:
     return trainer
 
 
-def _latest_checkpoint(trainer: Any) -> str:
+# Written by `functrain train` into its run directory: where the config's import specs were imported from,
+# so that `functrain train --resume RUN_DIR` imports the same modules from anywhere.
+_LAUNCH = "launch.json"
+
+
+def _import_dirs(config_path: str | None, resume: str | None = None) -> dict[str, str]:
+    """Where the config's import specs are imported from: the config's directory and the current one, or
+    for ``--resume RUN_DIR`` the directories the run recorded (its ``launch.json``) and the current one."""
+    if resume is None:
+        config_dir = os.path.dirname(os.path.abspath(str(config_path)))
+        return {"the config's directory": config_dir, "the current directory": "."}
+    recorded = {f"import directory {i} of the run": d for i, d in enumerate(_recorded_import_dirs(resume), 1)}
+    return {**recorded, "the current directory": "."}
+
+
+def _recorded_import_dirs(run_dir: str) -> list[str]:
+    """The import directories a run recorded (its ``launch.json``), first searched first."""
+    try:
+        dirs = json.loads((Path(run_dir) / _LAUNCH).read_text())["import_dirs"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return [d for d in dirs if isinstance(d, str)] if isinstance(dirs, list) else []
+
+
+def _record_launch(trainer: Any, dirs: dict[str, str]) -> None:
+    """Have ``trainer`` write ``launch.json`` into its run directory once it exists (rank 0, train begin):
+    its import directories, absolute (a ``--resume`` may run from another directory)."""
+    from functrain import distributed
+    from functrain.callbacks import LambdaCallback
+    from functrain.config.yaml_io import write_text_atomic
+
+    record = {"import_dirs": list(dict.fromkeys(os.path.abspath(d) for d in dirs.values()))}
+
+    def write(state: Any, ctx: Any) -> Any:
+        if distributed.is_main_process():
+            write_text_atomic(Path(trainer.config.output_dir) / _LAUNCH, json.dumps(record, indent=1) + "\n")
+        return state
+
+    trainer.extra_callbacks.append(LambdaCallback("launch_record", on_train_begin=write))
+
+
+def _run_length(trainer: Any) -> dict[str, int]:
+    """``{"total": N}``, the run's length in optimizer steps, filled in as ``trainer`` begins training."""
+    from functrain.callbacks import LambdaCallback
+
+    seen: dict[str, int] = {}
+
+    def note(state: Any, ctx: Any) -> Any:
+        seen["total"] = int(ctx.max_steps)
+        return state
+
+    trainer.extra_callbacks.append(LambdaCallback("run_length", on_train_begin=note))
+    return seen
+
+
+def _latest_checkpoint(trainer: Any, command: str = "eval") -> str:
+    """The run's checkpoint to read: the best (``load_best_model_at_end``) or the newest readable one; a
+    newer file that cannot be read is said on stderr, with the step read instead."""
     manager = trainer.checkpoint_manager()
     best = manager.best() if trainer.config.load_best_model_at_end and manager.best_metric else None
     step = best if best is not None else manager.latest()
     if step is None:
         raise FileNotFoundError(f"no checkpoint in {manager.directory}; train first or pass --checkpoint")
+    newer = [s for s in manager.all_steps() if s > step]
+    if best is None and newer:
+        print(
+            f"functrain {command}: the newest checkpoint, {manager.path(newer[-1])}, cannot be read; "
+            f"using step {step} ({manager.path(step)})",
+            file=sys.stderr,
+        )
     return manager.path(step)
 
 
@@ -115,15 +176,22 @@ def _train(args: argparse.Namespace) -> int:
 
         print(config_help())
         return 0
-    if args.config is None:
-        print("functrain train: give a CONFIG.yaml (or --help-config)", file=sys.stderr)
+    config, overrides = args.config, [*args.overrides, *(f"sweep.{s}" for s in args.sweep)]
+    if args.resume is not None and config is not None:
+        if "=" not in config:
+            print("functrain train: give a CONFIG.yaml or --resume RUN_DIR, not both", file=sys.stderr)
+            return 2
+        config, overrides = None, [config, *overrides]  # `--resume DIR epochs=80`: an override
+    if config is None and args.resume is None:
+        print("functrain train: give a CONFIG.yaml, --resume RUN_DIR (or --help-config)", file=sys.stderr)
         return 2
-    overrides = [*args.overrides, *(f"sweep.{s}" for s in args.sweep)]
-    preflight("train", args.config, overrides)  # before torch and the user's code are imported
+    preflight("train", config, overrides, resume=args.resume)  # before torch and the user's code
     from functrain import distributed, ensemble
 
     with distributed.initialize():  # torchrun: one process per device; plain python: a no-op
-        trainer = _build_trainer(args.config, overrides)
+        trainer = _build_trainer(config, overrides, resume=args.resume)
+        _record_launch(trainer, _import_dirs(config, args.resume))  # for the next --resume
+        length = _run_length(trainer)
         result = trainer.train(
             additional_epochs=args.additional_epochs, additional_steps=args.additional_steps
         )
@@ -133,43 +201,54 @@ def _train(args: argparse.Namespace) -> int:
                 {k.replace("eval/", "test/"): v for k, v in trainer.evaluate(trainer.test_dataset).items()}
             )
         step = ensemble.run_step(result.state)
-        if distributed.is_main_process():
+        is_main = distributed.is_main_process()
+        if is_main:
             if trainer.config.sweep:
                 best = trainer.sweep_best
                 summary = {"best_member": best, **trainer.sweep_members[best], **summary}
             print(json.dumps({"step": step, **summary, "stop_reason": result.stop_reason}))
-    if result.preempted:
-        status = _preempted_status(result.stop_reason)
+    if not result.preempted:
+        return 0
+    status = _preempted_status(result.stop_reason)
+    if is_main:
+        extending = args.additional_epochs is not None or args.additional_steps is not None
+        rest = length.get("total", step) - step
+        command = ["functrain", "train", "--resume", trainer.config.output_dir]
+        command += ["--additional-steps", str(rest)] if extending and rest > 0 else []
         print(
             f"functrain train: {result.stop_reason} at step {step}, checkpoint saved (exit status {status}); "
-            f"continue with: functrain train {args.config} resume_from_checkpoint=true",
+            f"continue with: {shlex.join(command)}",
             file=sys.stderr,
         )
-        return status
-    return 0
+    return status
 
 
-def _trained(args: argparse.Namespace) -> tuple[Any, Any]:
-    """eval/predict: the checks, then the Trainer with the checkpoint loaded, and the ``--split`` dataset."""
+def _trained(args: argparse.Namespace) -> tuple[Any, Any, str]:
+    """eval/predict: the checks, then the Trainer with the checkpoint loaded, the ``--split`` dataset, and
+    the checkpoint's path."""
     preflight(args.command, args.config, args.overrides, split=args.split, checkpoint=args.checkpoint)
     trainer = _build_trainer(args.config, args.overrides)
-    trainer.load(args.checkpoint or _latest_checkpoint(trainer))
+    path = args.checkpoint or _latest_checkpoint(trainer, args.command)
+    trainer.load(path)
     dataset = {"test": trainer.test_dataset, "eval": trainer.eval_dataset, "train": trainer.train_dataset}[
         args.split
     ]
     if dataset is None:  # named in the config, but its spec built None
         raise BuildError(f"{args.split}_dataset built None; its spec must return a dataset")
-    return trainer, dataset
+    return trainer, dataset, os.fspath(path)
 
 
 def _eval(args: argparse.Namespace) -> int:
-    trainer, dataset = _trained(args)
-    print(json.dumps(trainer.evaluate(dataset)))
+    trainer, dataset, path = _trained(args)
+    from functrain import ensemble
+
+    metrics = trainer.evaluate(dataset)
+    print(json.dumps({"step": ensemble.run_step(trainer.state), "checkpoint": path, **metrics}))
     return 0
 
 
 def _predict(args: argparse.Namespace) -> int:
-    trainer, dataset = _trained(args)
+    trainer, dataset, _ = _trained(args)
     from functrain import checkpoint, ensemble, tree
 
     preds = trainer.predict(dataset)
@@ -243,6 +322,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--help-config", action="store_true", help="list every config field with its default")
     train.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR (an output_dir) from its latest checkpoint, with the config it "
+        "saved there (config.yaml; KEY=VALUE overrides still apply), instead of a CONFIG.yaml",
+    )
+    train.add_argument(
         "--sweep",
         action="append",
         default=[],
@@ -255,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--additional-epochs",
         type=int,
         metavar="N",
-        help="train N more epochs from the resumed step (with resume_from_checkpoint=true), also past an "
+        help="train N more epochs from the resumed step (with --resume RUN_DIR), also past an "
         "early stop; epochs/max_steps count the whole run, so a finished run resumed without this returns at once",
     )
     more.add_argument(

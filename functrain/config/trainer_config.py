@@ -52,6 +52,8 @@ from functrain.config.yaml_io import (
 __all__ = ["TrainerConfig"]
 
 Strategy = Literal["no", "steps", "epoch"]
+# eval_strategy's own choices: "auto" evaluates every epoch when the run has an eval set, else never
+EvalStrategy = Literal["auto", "no", "steps", "epoch"]
 ShardingLevel = Literal["none", "optimizer", "grads", "params"]
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 
@@ -182,7 +184,10 @@ class TrainerConfig(ConfigSection):
     # -- run
     output_dir: str = option("outputs", doc="Run directory: checkpoints, logs and the resolved config.yaml.")
     overwrite_output_dir: bool = option(
-        False, doc="Allow starting a new run in an output_dir that holds one."
+        False,
+        doc="Replace the run output_dir holds (its checkpoints and logs). Without it (and without "
+        "resume_from_checkpoint) a new run in an output_dir that holds one writes the first free "
+        "<output_dir>-N beside it, and says so.",
     )
     seed: int = option(42, doc="Seed of the run's random key (init, shuffling, dropout).", minimum=0)
     # -- duration
@@ -242,8 +247,10 @@ class TrainerConfig(ConfigSection):
         doc="Metrics by name, as a list [accuracy, f1] or a mapping {name: {args}}; loss is always computed.",
         normalize=_normalize_metrics,
     )
-    eval_strategy: Strategy = option(
-        "epoch", doc="When to evaluate: 'epoch', every eval_steps ('steps'), or 'no'."
+    eval_strategy: EvalStrategy = option(
+        "auto",
+        doc="When to evaluate: 'auto' (every epoch when there is an eval set, eval_dataset; else never), "
+        "'epoch', every eval_steps ('steps'), or 'no'. 'epoch' and 'steps' need an eval set.",
     )
     eval_steps: int | None = option(
         None, doc="Optimizer steps between evaluations (eval_strategy=steps).", minimum=1
@@ -262,7 +269,9 @@ class TrainerConfig(ConfigSection):
     )
     # -- checkpoints
     save_strategy: Strategy = option(
-        "epoch", doc="When to checkpoint: 'epoch', every save_steps ('steps'), or 'no'."
+        "epoch",
+        doc="When to checkpoint: 'epoch', every save_steps ('steps'), or 'no'. The final state is saved "
+        "too, except with 'no': then only a run stopped by SIGTERM/SIGINT saves one (to resume from).",
     )
     save_steps: int | None = option(
         None, doc="Optimizer steps between checkpoints (save_strategy=steps).", minimum=1
@@ -278,7 +287,9 @@ class TrainerConfig(ConfigSection):
         None, doc="Checkpoint or weights file to initialize the model from (weights only, not the run)."
     )
     resume_from_checkpoint: bool | str = option(
-        False, doc="true: resume from the latest checkpoint (fresh start if none); a path: that checkpoint."
+        False,
+        doc="true: resume the run in output_dir from its latest checkpoint (fresh start if none); a path: "
+        "that checkpoint. functrain train --resume RUN_DIR sets it, with RUN_DIR's saved config.",
     )
     # -- logging
     log_steps: int = option(10, doc="Optimizer steps between logged training scalars.", minimum=1)
@@ -371,6 +382,16 @@ class TrainerConfig(ConfigSection):
     def resolved_eval_batch_size(self) -> int:
         """``eval_batch_size``, or ``batch_size`` when it is null."""
         return self.eval_batch_size if self.eval_batch_size is not None else self.batch_size
+
+    @property
+    def evaluates_every(self) -> Literal["no", "steps", "epoch"]:
+        """``eval_strategy`` where the run has an eval set (``"auto"`` is ``"epoch"`` there).
+
+        Example:
+            >>> TrainerConfig(max_steps=1).evaluates_every
+            'epoch'
+        """
+        return "epoch" if self.eval_strategy == "auto" else self.eval_strategy
 
     @property
     def resolved_max_consecutive_nonfinite(self) -> int:
@@ -498,14 +519,14 @@ class TrainerConfig(ConfigSection):
             yield Problem(
                 "load_best_model_at_end",
                 "needs checkpoints, but save_strategy is 'no'",
-                f"set save_strategy={self.eval_strategy}",
+                f"set save_strategy={self.evaluates_every}",
             )
-        elif self.save_strategy != self.eval_strategy:
+        elif self.save_strategy != (evaluated := self.evaluates_every):
             yield Problem(
                 "save_strategy",
                 f"is {self.save_strategy!r} but eval_strategy is {self.eval_strategy!r}: with "
                 "load_best_model_at_end every checkpoint needs an evaluation result",
-                f"set save_strategy={self.eval_strategy}",
+                f"set save_strategy={evaluated}",
             )
         elif self.save_steps and self.eval_steps and self.save_steps % self.eval_steps:
             yield Problem(

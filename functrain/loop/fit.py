@@ -40,6 +40,7 @@ def fit(
     loggers: Iterable[Any] = (),
     checkpoints: Any = None,
     save_every: int | str | None = None,
+    save_final: bool = True,
     resume_from_checkpoint: bool | int | str = False,
     progress_bar: bool = True,
     history: History | None = None,
@@ -73,7 +74,9 @@ def fit(
         loggers: writers with ``write(step, scalars)`` (``functrain.logging``: console, JSONL, CSV,
             TensorBoard).
         checkpoints: a :class:`functrain.checkpoint.CheckpointManager` (or a directory for one).
-        save_every: a number of steps, ``"epoch"`` or ``None``; the final state is saved too.
+        save_every: a number of steps, ``"epoch"`` or ``None``.
+        save_final: also save the final state (``TrainerConfig.save_strategy: no`` turns it off). A
+            run stopped by :class:`functrain.callbacks.Preemption` saves where it stopped either way.
         resume_from_checkpoint: ``True`` resumes from the latest checkpoint if there is one (else starts
             fresh), a step number or ``"best"`` from that checkpoint, a path from that checkpoint file;
             ``False`` starts fresh. A resumed run that had ended (its length reached, early stopping or
@@ -126,7 +129,8 @@ def fit(
             state = run.after_step(state, metrics)  # step_end; log, eval, save when due
             if run.stopping:
                 break
-        state = run.save_last(state)
+        if save_final:
+            state = run.save_last(state)
     finally:
         run.close()
     return run.finish(state)

@@ -195,6 +195,8 @@ class Run:
 
             layout = distributed.loader_layout(self.loader)
             distributed.check_resume(read_header(self.restored_path).metadata, layout)
+            if distributed.is_main_process():
+                print(f"resumed from step {self.step} ({self.restored_path})", file=sys.stderr, flush=True)
         for lg in self.loggers:
             lg.resume_from(self.step if self.restored_path is not None else None)
         return state

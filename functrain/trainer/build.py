@@ -453,24 +453,28 @@ def compiled(config: TrainerConfig, kind: str, fn: Callable[..., Any]) -> Compil
     )
 
 
-# eval_strategy/save_strategy -> fit's eval_every/save_every, given eval_steps/save_steps
+# eval_strategy/save_strategy -> fit's eval_every/save_every, given eval_steps/save_steps ("auto" is
+# "epoch" where it gets here: the Trainer has resolved it to "no" for a run without an eval set)
 _EVERY: dict[str, Callable[[int | None], int | str | None]] = {
     "no": lambda steps: None,
+    "auto": lambda steps: "epoch",
     "epoch": lambda steps: "epoch",
     "steps": lambda steps: steps,
 }
 
 
 def every(config: TrainerConfig) -> dict[str, int | str | None]:
-    """``fit``'s ``eval_every``, ``save_every`` and ``log_steps`` from the config's strategies.
+    """``fit``'s ``eval_every``, ``save_every``, ``save_final`` and ``log_steps`` from the config's
+    strategies (``save_strategy: no`` saves no final state either).
 
     Example:
         >>> every(TrainerConfig(max_steps=10, eval_strategy="steps", eval_steps=5, log_steps=2))
-        {'eval_every': 5, 'save_every': 'epoch', 'log_steps': 2}
+        {'eval_every': 5, 'save_every': 'epoch', 'save_final': True, 'log_steps': 2}
     """
     return {
         "eval_every": _EVERY[config.eval_strategy](config.eval_steps),
         "save_every": _EVERY[config.save_strategy](config.save_steps),
+        "save_final": config.save_strategy != "no",
         "log_steps": config.log_steps,
     }
 

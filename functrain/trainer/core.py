@@ -32,7 +32,7 @@ from torch import nn
 from functrain import callbacks as cbs
 from functrain import checkpoint, distributed, ensemble, optim
 from functrain.checkpoint import restore_onto
-from functrain.config import ConfigError, TrainerConfig
+from functrain.config import ConfigError, Problem, TrainerConfig
 from functrain.loop import FitResult, data_key, evaluate, fit, predict
 from functrain.state import TrainState
 from functrain.step import StepSpec, _inputs_and_target, spec_of
@@ -48,7 +48,8 @@ class Trainer:
         model: the ``nn.Module`` (its weights start the run; it is not modified).
         config: a :class:`TrainerConfig`, a dict, or a YAML path.
         train_dataset, eval_dataset: map-style datasets (``(inputs, target)`` samples or dicts with
-            input/target keys), iterable datasets or ``DataLoader``s.
+            input/target keys), iterable datasets or ``DataLoader``s. Without ``eval_dataset`` the run
+            evaluates nothing (``eval_strategy: auto``, the default: every epoch when it is given).
         data_collator: builds a batch from a list of samples.
         loss_fn: the loss of a batch, ``loss_fn(model, batch) -> loss`` or ``(loss, {"preds": ...,
             "target": ...})``, as everywhere in functrain (``make_train_step``, ``fit``); it replaces
@@ -83,8 +84,7 @@ class Trainer:
         callbacks: Iterable[cbs.Callback] = (),
         loss: Callable[[Any, Any], torch.Tensor] | None = None,
     ) -> None:
-        self.config = cfg = _as_config(config)
-        _check_arguments(cfg, model, eval_dataset)
+        self.config = cfg = _with_eval_strategy(_as_config(config), model, eval_dataset)
         self.model, self.data_collator = model, data_collator
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         criterion = batches.criterion_argument(criterion, loss, loss_fn)
@@ -164,10 +164,12 @@ class Trainer:
     ) -> FitResult:
         """Run training as configured; returns the :class:`functrain.FitResult` (``self.state`` is updated).
 
-        Refuses to start in an ``output_dir`` holding an earlier run unless ``overwrite_output_dir`` or
-        ``resume_from_checkpoint`` says what to do with it. Saves the resolved config there, once the run
-        has been checked against what the folder holds (the resumed checkpoint restored onto this model,
-        the data non-empty): a refused run writes nothing there.
+        An ``output_dir`` holding an earlier run is resumed (``resume_from_checkpoint``), replaced
+        (``overwrite_output_dir``) or, neither asked, left as it is: this run then writes the first free
+        ``<output_dir>-N`` beside it (:func:`functrain.trainer.run_dir.resolve`; ``self.config.output_dir``
+        names it). Saves the resolved config there, once the run has been checked against what the folder
+        holds (the resumed checkpoint restored onto this model, the data non-empty): a refused run writes
+        nothing there.
 
         ``epochs``/``max_steps`` are the run's total length: resuming a run that reached it, or that early
         stopping ended, returns its final state at once with a :class:`functrain.RunFinishedWarning`.
@@ -185,8 +187,9 @@ class Trainer:
             self.train_dataset, cfg.batch_size * cfg.gradient_accumulation_steps, train=True
         )
         train_loader.require_batches("Trainer.train")
-        out = Path(cfg.output_dir)
-        self._check_output_dir(out)
+        out = run_dir.resolve(cfg)  # a rerun writes a new version beside the run output_dir holds
+        if out != Path(cfg.output_dir):
+            self.config = cfg = cfg.replace(output_dir=os.fspath(out))
         manager = self.checkpoint_manager()
         resume = run_dir.resume_argument(cfg)
         distributed.barrier()  # every rank checks the directory before rank 0 writes into it
@@ -321,9 +324,6 @@ class Trainer:
     def _loggers(self, log_dir: Path) -> list[Any]:
         return build.loggers(self.config, log_dir)
 
-    def _check_output_dir(self, out: Path) -> None:
-        run_dir.check(self.config, out)
-
 
 def _overridden(trainer: Trainer, kind: str) -> bool:
     """Whether a subclass replaced the Trainer's ``train_step``/``eval_step`` (its batches stay as they are)."""
@@ -361,12 +361,26 @@ def _as_config(config: TrainerConfig | Mapping[str, Any] | str | os.PathLike[str
     return TrainerConfig.from_yaml(config)
 
 
-def _check_arguments(config: TrainerConfig, model: Any, eval_dataset: Any) -> None:
+def _with_eval_strategy(config: TrainerConfig, model: Any, eval_dataset: Any) -> TrainerConfig:
+    """``config`` with ``eval_strategy: auto`` resolved: ``epoch`` with an eval set, else ``no``. An explicit
+    ``epoch``/``steps`` (or evaluation that a field needs) without an eval set is refused."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"Trainer: model must be an nn.Module, got {type(model).__name__}")
-    if config.eval_strategy != "no" and eval_dataset is None:
+    if eval_dataset is not None:
+        return config.replace(eval_strategy=config.evaluates_every)
+    fix = "pass Trainer(eval_dataset=...) (in a YAML config: eval_dataset: module:attr)"
+    if config.eval_strategy not in ("auto", "no"):
         raise ConfigError.single(
             "eval_strategy",
             f"eval_strategy={config.eval_strategy!r} but no eval_dataset was given",
-            "pass eval_dataset=... or set eval_strategy: 'no'",
+            f"{fix}, or set eval_strategy: auto (evaluates only when there is an eval set)",
         )
+    needs = {"early_stopping": config.early_stopping, "load_best_model_at_end": config.load_best_model_at_end}
+    problems = [
+        Problem(field, "needs evaluation results, but no eval_dataset was given", f"{fix}, or remove {field}")
+        for field, value in needs.items()
+        if value
+    ]
+    if problems:
+        raise ConfigError(problems)
+    return config.replace(eval_strategy="no")
