@@ -245,6 +245,27 @@ class Loader:
             raise TypeError("Loader.batch_indices: only a map-style dataset has batches known by index")
         return self._source.batch_indices(epoch)
 
+    @property
+    def key(self) -> torch.Tensor | None:
+        """The key that orders this loader's epochs and seeds its workers (``None`` for a DataLoader)."""
+        return getattr(self._source, "key", None)
+
+    def with_key(self, key: torch.Tensor) -> Loader:
+        """This loader with its epochs ordered by ``key``: a shallow copy sharing the data (a resumed run
+        orders its data by the checkpoint's key, whatever key the new run was built with).
+
+        Example:
+            >>> rekeyed = Loader(list(range(8)), 4, key=random.key(0)).with_key(random.key(1))
+            >>> rekeyed.batch_indices(0) == Loader(list(range(8)), 4, key=random.key(1)).batch_indices(0)
+            True
+        """
+        if not hasattr(self._source, "key"):
+            raise TypeError("Loader.with_key: a DataLoader brings its own order; it has no key to set")
+        keyed = copy.copy(self)
+        keyed._source = copy.copy(self._source)
+        keyed._source.key = key
+        return keyed
+
     def to(self, device: str | torch.device | None) -> Loader:
         """This loader with its batches moved to ``device``: a shallow copy sharing the data and its order.
 

@@ -210,6 +210,9 @@ class Run:
         self.ctx.history = self.history
         self.window = Window.from_json(saved["window"], state.params, self.naming)
         self.finished = str(saved.get("finished", ""))
+        key = saved.get("data_key")
+        if key is not None and self.loader.key is not None:  # the interrupted run's order, not this state's
+            self.loader = self.loader.with_key(key)
         return state
 
     def begin(self, state: Any) -> Any:
@@ -336,6 +339,7 @@ class Run:
             history=json.dumps(self.history.as_dict()),
             window=self.window.to_json(),
             finished=self.finished,
+            data_key=self.loader.key,
         )
         tied = getattr(state, "tied", ())
         metadata = {"tied_parameters": dict(tied)} if tied else {}

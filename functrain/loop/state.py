@@ -19,7 +19,9 @@ class LoopState:
     ``position``: where the data stream stands; ``callbacks``: each callback's ``state_dict()`` by name;
     ``history``: the logged scalars (JSON); ``window``: the running sums of the current logging window
     (JSON), so a resumed run logs the same averages; ``finished``: why the run ended for good (a final
-    stop request such as early stopping), ``""`` while it may go on.
+    stop request such as early stopping), ``""`` while it may go on; ``data_key``: the key that orders the
+    training data (the loader's), so a resumed run sees the interrupted run's order whatever state it was
+    started from.
     """
 
     position: DataPosition
@@ -27,6 +29,7 @@ class LoopState:
     history: str
     window: str
     finished: str = ""
+    data_key: Any = None
 
 
 class RunFinishedWarning(UserWarning):
