@@ -48,10 +48,11 @@ class DuckStream:
 
 
 class Live(torch.utils.data.IterableDataset):
-    """An endless stream that continues where it stopped (no replay) and says where with state_dict()."""
+    """An endless feed that continues where it stopped, and says where with state_dict(); a new one starts
+    where it is told (a feed that moved on since: a fresh pass does not replay the old one)."""
 
-    def __init__(self, state: Any = None) -> None:
-        self.position = 0
+    def __init__(self, start: int = 0, state: Any = None) -> None:
+        self.position = start
         self.state = state  # what state_dict() adds (a value a checkpoint cannot hold, for one test)
 
     def __iter__(self):
@@ -179,7 +180,7 @@ def test_a_stateful_stream_continues_from_its_saved_state(tmp_path: Path) -> Non
     assert saved["data_state"] == {"position": 28} and saved["batch_fingerprint"] == ""
     with warnings.catch_warnings():
         warnings.simplefilter("error", ResumeWarning)
-        resumed = _fit(Live(), 9, tmp_path, resume=True)  # a new Live() starts at 0: the state moves it
+        resumed = _fit(Live(start=500), 9, tmp_path, resume=True)  # the state brings it back to 28
     assert _bitwise(resumed.params, straight.params)
 
 
