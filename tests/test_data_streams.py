@@ -177,7 +177,7 @@ def test_a_stateful_stream_continues_from_its_saved_state(tmp_path: Path) -> Non
     straight = _fit(Live(), 9)
     _fit(Live(), 7, tmp_path)  # saved last at step 7 (28 examples), while the prefetch thread read on
     saved = checkpoint.CheckpointManager(tmp_path).restore("latest")["loop"]
-    assert saved["data_state"] == {"position": 28} and saved["batch_fingerprint"] == ""
+    assert saved["data_states"] == [{"position": 28}] and saved["batch_fingerprints"] == [""]
     with warnings.catch_warnings():
         warnings.simplefilter("error", ResumeWarning)
         resumed = _fit(Live(start=500), 9, tmp_path, resume=True)  # the state brings it back to 28
@@ -188,7 +188,7 @@ def test_a_data_state_a_checkpoint_cannot_hold_warns_and_trains_on(tmp_path: Pat
     with pytest.warns(ResumeWarning, match=r"state_dict\(\) cannot be saved in a checkpoint.*extra"):
         _fit(Live(state=object()), 4, tmp_path)
     saved = checkpoint.CheckpointManager(tmp_path).restore("latest")["loop"]
-    assert saved["data_state"] is None and saved["batch_fingerprint"]  # the resume replays, checked
+    assert saved["data_states"] == [None] and saved["batch_fingerprints"][0]  # the resume replays, checked
 
 
 class ProtocolLoader(torch.utils.data.DataLoader):
@@ -234,7 +234,7 @@ def test_a_stateful_dataloader_is_saved_and_restored(tmp_path: Path, make: Any) 
     dataset = [_example(i) for i in range(30)]  # 8 batches an epoch: the resume is in the second
     straight = _fit(make(dataset), 14)
     _fit(make(dataset), 10, tmp_path)  # saved at step 9
-    assert checkpoint.CheckpointManager(tmp_path).restore("latest")["loop"]["data_state"] is not None
+    assert checkpoint.CheckpointManager(tmp_path).restore("latest")["loop"]["data_states"][0] is not None
     with warnings.catch_warnings():
         warnings.simplefilter("error", ResumeWarning)
         resumed = _fit(make(dataset), 14, tmp_path, resume=True)

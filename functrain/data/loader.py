@@ -258,6 +258,12 @@ class Loader:
         """True for a stream (an iterable dataset), read in its own order (see the class docstring)."""
         return isinstance(self._source, IterableSource)
 
+    @property
+    def is_stateful(self) -> bool:
+        """True when the data keeps its own position (``state_dict()``/``load_state_dict()``: a torchdata
+        ``StatefulDataLoader``, a stream read without workers or buffer), which ``fit`` saves and restores."""
+        return getattr(self._source, "stream_state", None) is not None
+
     def check_replay(self, batch: Any, expected: str, epoch: int, index: int) -> None:
         """Warn (:class:`~functrain.data.ResumeWarning`) when ``batch``, batch ``index`` of ``epoch`` read
         again by a resume, is not the one the interrupted run trained on (``expected``: its

@@ -25,15 +25,13 @@ from typing import Any
 
 from functrain import distributed
 from functrain.callbacks.base import Callback, Context
-from functrain.checkpoint.errors import CheckpointError
 from functrain.checkpoint.onto import restore_onto
-from functrain.checkpoint.structure import encode
-from functrain.data import DataPosition, ResumeWarning
-from functrain.data.stream_state import fingerprint
+from functrain.data import DataPosition
 from functrain.ensemble.stacked import run_step
 from functrain.logging import History
 from functrain.logging.writer import as_writer
 from functrain.loop.data import as_loader, batch_device, data_key, noting_steps
+from functrain.loop.data_resume import DataResume
 from functrain.loop.evaluate import evaluate
 from functrain.loop.events import Events, callback_names
 from functrain.loop.length import RunLength
@@ -82,9 +80,7 @@ class Run:
         self._batches: Any = None
         self._index = 0
         self._next: DataPosition = self.position
-        self._last_batch: Any = None  # a stream's, for its fingerprint in the checkpoint
-        self._replay_check = ""  # a resumed stream's last batch's fingerprint, checked against the replay
-        self._state_warned = False
+        self.data = DataResume(loader)  # what checkpoints keep of the data besides its position
 
     # ------------------------------------------------------------------------------ open and resume
 
@@ -216,13 +212,7 @@ class Run:
         self.ctx.history = self.history
         self.window = Window.from_json(saved["window"], state.params, self.naming)
         self.finished = str(saved.get("finished", ""))
-        key = saved.get("data_key")
-        if key is not None and self.loader.key is not None:  # the interrupted run's order, not this state's
-            self.loader = self.loader.with_key(key)
-        if saved.get("data_state") is not None:  # a stateful stream continues from its own state
-            self.loader.restore_stream(self.position, saved["data_state"])
-        elif self.loader.is_stream:
-            self._replay_check = str(saved.get("batch_fingerprint", ""))
+        self.loader = self.data.restore(saved, self.position)
         return state
 
     def begin(self, state: Any) -> Any:
@@ -242,13 +232,10 @@ class Run:
         do); the loop's position advances with each step."""
         if self.nothing_to_do:
             return iter(())
-        start, check = self.position, self._replay_check
-        epoch, index = start.as_tuple()
-        if check and index > 0:  # a replayed stream: read the last batch trained on again, to compare
-            start = DataPosition(epoch, index - 1)
+        start, check = self.data.start(self.position)  # a replayed stream: one batch early, checked
         stream = self.loader.iterate(start, num_epochs=self.num_epochs)
         self._stream = noting_steps(stream, lambda: self.step + 1)
-        self._batches = self._arriving(self._stream, check if start is not self.position else "")
+        self._batches = self._arriving(self._stream, check)
         return self._batches
 
     def _arriving(self, stream: Iterator[Any], check: str) -> Iterator[Any]:
@@ -269,8 +256,7 @@ class Run:
         if index == 1:
             state = self.events("epoch_begin", state, ctx)
         ctx.batch = batch
-        if self.loader.is_stream:
-            self._last_batch = batch
+        self.data.saw(batch)
         state = self.events("step_begin", state, ctx)
         ctx.previous_state = None if self.donated else state
         return state
@@ -353,17 +339,13 @@ class Run:
         self.last_saved = self.step
         if self.manager is None:
             return state
-        data_state = self._stream_state()
-        replayed = data_state is None and self._last_batch is not None  # a stream resumed by a replay
         loop = LoopState(
             position=self.position,
             callbacks={n: cb.state_dict() for n, cb in zip(self.names, self.callbacks)},
             history=json.dumps(self.history.as_dict()),
             window=self.window.to_json(),
             finished=self.finished,
-            data_key=self.loader.key,
-            data_state=data_state,
-            batch_fingerprint=fingerprint(self._last_batch) if replayed else "",
+            **self.data.fields(self.position),
         )
         tied = getattr(state, "tied", ())
         metadata = {"tied_parameters": dict(tied)} if tied else {}
@@ -375,27 +357,6 @@ class Run:
         )
         self.ctx.checkpoint_path = self.manager.path(self.step)
         return self.events("checkpoint_saved", state, self.ctx)
-
-    def _stream_state(self) -> Any:
-        """A stateful stream's state at the saved position, if a checkpoint can hold it (else a warning,
-        once: the resume will replay the stream instead)."""
-        state = self.loader.stream_state(self.position)
-        if state is None:
-            return None
-        try:
-            encode(state)
-        except CheckpointError as error:
-            if not self._state_warned:
-                self._state_warned = True
-                warnings.warn(
-                    f"fit: the training data's state_dict() cannot be saved in a checkpoint ({error}); the "
-                    "checkpoints keep no data state, so a resume replays the data instead of continuing it "
-                    "exactly. Return tensors, numbers, strings, bytes, lists and dicts from state_dict()",
-                    ResumeWarning,
-                    stacklevel=2,
-                )
-            return None
-        return state
 
     # ------------------------------------------------------------------------------ the end
 

@@ -21,10 +21,10 @@ class LoopState:
     (JSON), so a resumed run logs the same averages; ``finished``: why the run ended for good (a final
     stop request such as early stopping), ``""`` while it may go on; ``data_key``: the key that orders the
     training data (the loader's), so a resumed run sees the interrupted run's order whatever state it was
-    started from; ``data_state``: a stateful stream's ``state_dict()`` at ``position`` (a torchdata
-    ``StatefulDataLoader``, a Hugging Face streaming dataset); ``batch_fingerprint``: for a stream without
-    one, the digest of the last batch trained on, which a resume compares with the replayed stream's
-    (:mod:`functrain.data.stream_state`).
+    started from; for a stream, by rank (:mod:`functrain.loop.data_resume`): ``data_states``, its
+    ``state_dict()`` at ``position`` (a torchdata ``StatefulDataLoader``, a Hugging Face streaming dataset),
+    or ``None``, and then ``batch_fingerprints``, the digest of the last batch trained on, which a resume
+    compares with the replayed stream's.
     """
 
     position: DataPosition
@@ -33,8 +33,8 @@ class LoopState:
     window: str
     finished: str = ""
     data_key: Any = None
-    data_state: Any = None
-    batch_fingerprint: str = ""
+    data_states: list[Any] | None = None
+    batch_fingerprints: list[str] | None = None
 
 
 class RunFinishedWarning(UserWarning):
