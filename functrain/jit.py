@@ -34,7 +34,7 @@ from functrain.compile.guards import skip_library_guards
 from functrain.compile.traceable import traceable
 from functrain.distributed.env import rank as distributed_rank
 from functrain.remat import RematRandomnessError
-from functrain.step import spec_of
+from functrain.step import refuse_plain_state, spec_of
 
 __all__ = ["CompiledStep", "DonatedStateError", "GraphBreakError", "RecompileError", "jit"]
 # The compile internals live in functrain.compile; these names stay importable from here (the torch
@@ -185,6 +185,8 @@ class CompiledStep:
 
     def __call__(self, state: Any, *args: Any, **kwargs: Any) -> Any:
         # The one dispatcher: seed, then exactly one of three ways to run the step.
+        if self.spec.kind != "custom":
+            refuse_plain_state(state, self.__name__)  # before dynamo traces a dict's missing .params
         if self.donate and state in self._donated:
             raise DonatedStateError(
                 f"{self.__name__}: this state was donated to an earlier call, which wrote its results "

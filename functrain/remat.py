@@ -256,7 +256,7 @@ class Remat:
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_dynamo_compiling():
             # Dynamo turns this call into its activation-checkpoint operator, whose implementation
             # calls torch.utils.checkpoint.checkpoint when AOTAutograd traces it: inside functrain's
             # steps that is routed back here (routed_checkpoint), outside it is torch's checkpoint.
@@ -397,8 +397,8 @@ def checkpoint(
         torch.Size([2, 4])
     """
     preserve = kwargs.pop("preserve_rng_state", True)
-    # Not Remat.__call__: under torch.compile this runs while AOTAutograd traces dynamo's checkpoint
-    # operator, where the compiling flag is still set.
+    # The recomputing Function itself: under torch.compile this runs while AOTAutograd traces dynamo's
+    # checkpoint operator, after dynamo's own trace.
     return Remat(function, preserve_rng_state=preserve).recompute(*args, **kwargs)
 
 
@@ -461,9 +461,45 @@ def routed_checkpoint(model: Any = None) -> Iterator[None]:
         except RuntimeError as e:
             if not any(sign in str(e) for sign in _UNROUTED_CHECKPOINT):
                 raise
+            function = _function_without_setup_context(e)
+            if function is not None and function is not torch_checkpoint.CheckpointFunction:
+                raise RuntimeError(_without_setup_context(function)) from e
             raise RuntimeError(
                 "the model calls torch.utils.checkpoint through a reference functrain cannot route (e.g. "
                 "`from torch.utils.checkpoint import checkpoint` at import time), and torch's checkpoint "
                 f"cannot run under torch.func.grad ({str(e).splitlines()[0]}). Wrap the block with "
                 "ft.remat(block) instead, or call it as torch.utils.checkpoint.checkpoint(...)."
             ) from e
+
+
+def _function_without_setup_context(error: BaseException) -> type | None:
+    """The ``torch.autograd.Function`` whose ``apply`` raised torch.func's "must override the setup_context"
+    (torch's message does not name it: its ``apply`` frame holds it as ``cls``), or ``None``."""
+    frame = error.__traceback__
+    found = None
+    while frame is not None:
+        cls = frame.tb_frame.f_locals.get("cls") if frame.tb_frame.f_code.co_name == "apply" else None
+        if isinstance(cls, type) and issubclass(cls, torch.autograd.Function):
+            found = cls
+        frame = frame.tb_next
+    return found
+
+
+def _without_setup_context(function: type) -> str:
+    """What to say about a model's autograd.Function that torch.func cannot differentiate."""
+    name = f"{function.__module__}.{function.__qualname__}"
+    fix = (
+        "give it a `setup_context(ctx, inputs, output)` staticmethod, with `forward` taking no ctx "
+        "(https://pytorch.org/docs/main/notes/extending.func.html), or run the step compiled "
+        "(ft.jit(step)), where dynamo traces the Function's forward and backward into the step's graph"
+    )
+    if function.__module__.startswith("torch.distributed"):  # DTensor's from_local/to_local in TP hooks
+        fix = (
+            "torch's tensor-parallel hooks (parallelize_module) use it: place the weights with "
+            "torch.distributed.tensor.distribute_tensor instead of hooks"
+        )
+    return (
+        f"the model calls {name}, a torch.autograd.Function without setup_context (an old-style "
+        "`forward(ctx, ...)`): an eager functrain step differentiates with torch.func, which needs one. "
+        f"Fix: {fix}"
+    )

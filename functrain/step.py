@@ -52,6 +52,7 @@ __all__ = [
     "make_predict_step",
     "make_train_step",
     "num_examples",
+    "refuse_plain_state",
     "spec_of",
     "split_batch",
     "supervised_loss",
@@ -248,7 +249,34 @@ def _expected_names(model: nn.Module | None) -> frozenset[str] | None:
     return frozenset(names)
 
 
+def refuse_plain_state(state: Any, who: str = "the step") -> None:
+    """Refuse a plain dict given as the state (what ``checkpoint.restore(path)`` gives without a target),
+    in one line that says how to get a state back, before anything traces it.
+
+    Example:
+        >>> try:
+        ...     refuse_plain_state({"params": {}}, "train_step")
+        ... except TypeError as error:
+        ...     print(str(error)[:42])
+        train_step: the state is a plain dict (key
+    """
+    if type(state) is not dict:
+        return
+    if {"state", "loop"} <= set(state):
+        how = "ft.checkpoint.restore_onto(state, ft.checkpoint.restore(path)['state'])"
+        holds = "a fit checkpoint's {'state', 'loop'}"
+    else:
+        how = "ft.checkpoint.restore(path, target=state)"
+        holds = f"keys {sorted(map(str, state))[:8]}"
+    raise TypeError(
+        f"{who}: the state is a plain dict ({holds}), which is what ft.checkpoint.restore(path) gives "
+        f"without a target; restore onto a state built as before saving: state = {how}, with "
+        "state = ft.TrainState.create(model, tx)"
+    )
+
+
 def _check_state_matches(state: Any, expected: frozenset[str] | None) -> None:
+    refuse_plain_state(state)
     if expected is None:
         return
     have = set(state.params) | set(state.buffers)
@@ -393,7 +421,7 @@ def _device_of(params: Mapping[str, torch.Tensor]) -> torch.device:
 def _checkpoint_routing(model: nn.Module | ApplyFn) -> contextlib.AbstractContextManager[Any]:
     # torch.utils.checkpoint cannot run under torch.func.grad; route it to functrain.remat. Under
     # torch.compile the routing is done outside the traced code, by jit (dynamo must see it at trace time).
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         return contextlib.nullcontext()
     return routed_checkpoint(model)
 

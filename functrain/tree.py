@@ -185,8 +185,16 @@ class DictSpec:
 
 
 def _flat_dict(tree: PyTree) -> bool:
-    """Whether ``tree`` is a ``dict`` of tensors with string keys, inside a compiled function."""
-    if type(tree) is not dict or not torch.compiler.is_compiling():
+    """Whether ``tree`` is a ``dict`` of tensors with string keys, inside dynamo's trace.
+
+    ``is_dynamo_compiling()``, not ``torch.compiler.is_compiling``: the latter reads a process-global
+    flag set for the whole compile, so a host thread (the prefetch thread's collate, the async
+    checkpoint writer) asking while the main thread compiles was told "compiling" and flattened some
+    samples the traced way (a ``CollateError`` between two structures that print identically). Every
+    functrain branch on tracing asks dynamo's own question for the same reason
+    (tests/test_compile_threads.py).
+    """
+    if type(tree) is not dict or not torch.compiler.is_dynamo_compiling():
         return False
     # Builtins over the whole dict, not a Python loop that dynamo traces leaf by leaf (~40% less trace
     # time at 300 leaves). ``builtins.map``: this module's ``map`` is the tree map.
@@ -245,7 +253,7 @@ def same_structure(a: Any, b: Any) -> bool:
     """
     if isinstance(a, DictSpec) or isinstance(b, DictSpec):
         return _same_dict_spec(a, b)
-    if not torch.compiler.is_compiling():
+    if not torch.compiler.is_dynamo_compiling():
         return bool(a == b)
     return _same_nodes(a, b)
 

@@ -329,6 +329,35 @@ def fit_resume(out: dict, directory: str) -> None:
         ft.checkpoint.CheckpointManager(os.path.join(directory, "plain")).save(1, {"state": resumed})
     except ft.checkpoint.CheckpointError as error:
         out["plain_manager_refused"] = str(error)
+    mismatches(out, directory)
+
+
+def mismatches(out: dict, directory: str) -> None:
+    """The messages of a fit checkpoint of Linear(16, 12) resumed by a Linear(16, 14) run (shards [6, 16]
+    and [7, 16] on 2 ranks) and restored onto a bare state; the hinted restore of the bare state."""
+
+    def run(rows: int, resume: bool) -> Any:
+        torch.manual_seed(0)
+        model = nn.Linear(16, rows)
+        sharding = distributed.fully_shard(level="params")
+        state = ft.TrainState.create(model, adamw(), sharding=sharding)
+        manager = ckpt.ShardedCheckpointManager(os.path.join(directory, "narrow"), sharding)
+        step = ft.jit(ft.make_train_step(model, LOSS, sharding=sharding), compile=False)
+        data = [(torch.randn(16), torch.tensor(i % 2)) for i in range(8)]
+        ft.fit(state, step, data, batch_size=4, epochs=1, checkpoints=manager, resume_from_checkpoint=resume)
+        return state
+
+    bare = run(12, False)
+    try:
+        run(14, True)
+    except ValueError as error:
+        out["wider_resumed"] = str(error)
+    try:
+        ckpt.restore_sharded(os.path.join(directory, "narrow"), target=bare)
+    except ft.checkpoint.CheckpointError as error:
+        out["bare_restored"] = str(error)
+    hinted = ckpt.restore_sharded(os.path.join(directory, "narrow"), target={"state": bare})["state"]
+    out["hinted_step"] = (int(hinted.step), ckpt.latest_sharded(os.path.join(directory, "narrow")))
 
 
 def _dump(out: dict, key: str, full: Any, directory: str) -> None:

@@ -112,3 +112,59 @@ def test_a_write_failing_midway_leaves_the_replaced_file_whole(tmp_path):
     assert torch.equal(checkpoint.restore(path)["a"], old)
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
     drop_cached_pages(tmp_path / "missing.ckpt")  # nothing to drop: no error
+
+
+# ------------------------------------------------------------------ a TrainState back in the composed style
+
+
+def _trained():
+    import functrain as ft
+
+    model = torch.nn.Linear(3, 2)
+    tx = ft.optim.adam(1e-2)
+    step = ft.jit(ft.make_train_step(model, ft.supervised_loss(torch.nn.functional.mse_loss)), compile=False)
+    batch = (torch.randn(4, 3), torch.randn(4, 2))
+    state, _ = step(ft.TrainState.create(model, tx, seed=0), batch)
+    return model, tx, step, batch, state
+
+
+def test_a_plain_restore_given_to_a_step_is_refused_in_one_line_naming_target(tmp_path):
+    import functrain as ft
+
+    model, tx, eager, batch, state = _trained()
+    ft.checkpoint.save(tmp_path / "s.ckpt", state)
+    plain = ft.checkpoint.restore(tmp_path / "s.ckpt")
+    compiled = ft.jit(ft.make_train_step(model, ft.supervised_loss(torch.nn.functional.mse_loss)))
+    unjitted = ft.make_train_step(model, ft.supervised_loss(torch.nn.functional.mse_loss))
+    for step in (compiled, eager, unjitted):
+        with pytest.raises(TypeError) as info:
+            step(plain, batch)
+        message = str(info.value)
+        assert "\n" not in message and "ft.checkpoint.restore(path, target=state)" in message, message
+    assert compiled.num_compiles == 0  # refused before dynamo traced anything
+    # what the message says: a TrainState again, that steps as the saved one does
+    restored = ft.checkpoint.restore(tmp_path / "s.ckpt", target=ft.TrainState.create(model, tx, seed=5))
+    assert isinstance(restored, ft.TrainState) and restored.tx is tx
+    assert_bit_equal(eager(restored, batch)[0].params, eager(state, batch)[0].params)
+
+
+def test_a_fit_checkpoint_restored_onto_a_bare_state_says_what_it_holds(tmp_path):
+    import functrain as ft
+
+    model, tx, step, batch, _ = _trained()
+    data = [(x, y) for x, y in zip(*batch)]
+    result = ft.fit(ft.TrainState.create(model, tx), step, data, batch_size=2, epochs=1, progress_bar=False,
+                    checkpoints=tmp_path / "run")  # fmt: skip
+    manager = ft.checkpoint.CheckpointManager(tmp_path / "run")
+    path = manager.path(manager.latest())
+    bare = ft.TrainState.create(model, tx)
+    with pytest.raises(checkpoint.CheckpointError) as info:
+        checkpoint.restore(path, target=bare)
+    head = str(info.value).splitlines()[0]
+    assert "{'state', 'loop'}" in head and "restore_onto(state, ft.checkpoint.restore(path)['state'])" in head
+    with pytest.raises(ValueError) as info:
+        checkpoint.restore_onto(bare, checkpoint.restore(path))
+    assert "{'state', 'loop'}" in str(info.value).splitlines()[0]
+    # what the message says restores the train state
+    restored = checkpoint.restore_onto(bare, checkpoint.restore(path)["state"])
+    assert_bit_equal(restored.params, result.state.params)

@@ -55,6 +55,12 @@ def broken():
     raise RuntimeError("my dataset is broken")
 
 
+def configured():
+    from functrain import TrainerConfig
+
+    return TrainerConfig(epochs=0)
+
+
 def not_a_model():
     return 3
 
@@ -163,6 +169,20 @@ def test_an_exception_in_the_users_code_names_their_file_and_line(project: Path)
         out = functrain(project, *argv, **debug)
         assert out.returncode == 2 and "Traceback" in out.stderr and 'raise RuntimeError("my' in out.stderr
         assert out.stderr.strip().splitlines()[-1].startswith("functrain train: ")
+
+
+def test_a_config_error_names_the_users_file_and_line_never_functrains(project: Path):
+    # the YAML's line, and no Python frame: the user wrote no code that raised it
+    (project / "bad_lr.yaml").write_text(_RUN.format(out=project / "out") + "optimizer:\n  lr: -1\n")
+    out = functrain(project, "train", "bad_lr.yaml")
+    line = assert_one_line_refusal(out, "train", "bad_lr.yaml: optimizer.lr (line 12): must be > 0")
+    assert "(at " not in line, line
+    # a config built by the user's Python: their line, not functrain/config/section.py's
+    out = functrain(project, "train", "run.yaml", "model=mytask:configured")
+    line = assert_one_line_refusal(out, "train", "epochs")
+    config_line = next(i for i, ln in enumerate(_MYTASK.splitlines(), 1) if "TrainerConfig(epochs=0)" in ln)
+    assert f"(at {project / 'mytask.py'}:{config_line})" in line, line
+    assert str(ROOT / "functrain") not in line, line
 
 
 def test_objects_the_trainer_cannot_take_and_bad_checkpoints_are_one_line(project: Path):

@@ -1,4 +1,5 @@
-from collections import namedtuple
+import dataclasses
+from collections import OrderedDict, namedtuple
 
 import numpy as np
 import pytest
@@ -6,6 +7,7 @@ import torch
 
 from functrain import tree
 from functrain.data import CollateError, collate, empty_batch, num_examples
+from functrain.data.collate import _collate_checked
 
 Pair = namedtuple("Pair", ["image", "label"])
 
@@ -101,3 +103,75 @@ def test_empty_input_is_an_error_and_empty_batch_keeps_the_structure():
 def test_num_examples_skips_structural_lists():
     assert num_examples([torch.zeros(5), torch.zeros(5)]) == 5
     assert num_examples({"name": ["a", "b", "c"]}) == 3
+
+
+@tree.struct
+class Tagged:
+    x: torch.Tensor
+    tag: str = tree.field(static=True, default="a")
+
+
+KINDS = {
+    "dict of tensors": lambda i, rows: {"x": torch.full((3,), float(i)), "y": torch.tensor(i)},
+    "keys in another order": lambda i, rows: (
+        {"x": torch.zeros(2) + i, "y": i} if i % 2 else {"y": i, "x": torch.zeros(2)}
+    ),
+    "tuple of numbers": lambda i, rows: (i, i / 2, i % 2 == 0, np.int32(i), np.float64(i)),
+    "hf-style": lambda i, rows: {
+        "input_ids": torch.arange(5) + i,
+        "attention_mask": torch.ones(5, dtype=torch.long),
+    },
+    "numpy and memmap rows": lambda i, rows: {"x": np.arange(4.0) * i, "row": rows[i], "label": np.int64(i)},
+    "nested": lambda i, rows: [{"pair": Pair(torch.ones(2) * i, [i, "s"]), "none": None}, (b"raw", "text")],
+    "ints then floats": lambda i, rows: {"v": i if i < 2 else i + 0.5},
+    "struct": lambda i, rows: Example(torch.ones(1) * i, i),
+    "struct with a static field": lambda i, rows: Tagged(torch.ones(1) * i),
+    "OrderedDict": lambda i, rows: OrderedDict(b=torch.tensor(i), a=i),
+    "empty containers": lambda i, rows: {"t": (), "l": [], "d": {}, "x": torch.zeros(1)},
+}
+
+
+def assert_same_batch(a, b):
+    """The same container types, key order and leaves (type, dtype, values), recursively."""
+    assert type(a) is type(b)
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for key in a:
+            assert_same_batch(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same_batch(x, y)
+    elif tree.is_struct(a):
+        for field in dataclasses.fields(a):
+            assert_same_batch(getattr(a, field.name), getattr(b, field.name))
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_the_fast_path_gives_the_careful_paths_batch(kind, tmp_path):
+    rows = np.lib.format.open_memmap(tmp_path / "rows.npy", dtype=np.float32, mode="w+", shape=(4, 3))
+    rows[:] = np.arange(12).reshape(4, 3)
+    samples = [KINDS[kind](i, rows) for i in range(4)]
+    assert_same_batch(collate(samples), _collate_checked(samples))
+
+
+def _collate_in_worker(samples):
+    batch = collate(samples)
+    return batch, {key: leaf.is_shared() for key, leaf in batch.items()}
+
+
+def test_in_a_worker_the_batch_is_stacked_into_shared_memory():
+    # As default_collate does: the batch is then not copied into shared memory again to reach the loop.
+    samples = [{"x": torch.full((3,), float(i)), "row": np.arange(4.0) + i, "y": i} for i in range(8)]
+    samples[7]["x"] = samples[7]["x"].double()  # mixed dtypes: promoted, as in this process
+    loader = torch.utils.data.DataLoader(samples, batch_size=4, num_workers=1, collate_fn=_collate_in_worker)
+    (first, shared), (second, _) = loader
+    assert shared["x"] and shared["row"]
+    assert_same_batch(first, collate(samples[:4]))
+    assert_same_batch(second, collate(samples[4:]))
+    assert second["x"].dtype == torch.float64
+    assert not collate(samples)["row"].is_shared()  # in this process: plain memory

@@ -1,3 +1,4 @@
+import os
 import warnings
 from collections import Counter
 
@@ -7,8 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
-from functrain import random
+from functrain import TrainerConfig, random
+from functrain.config import ConfigError
 from functrain.data import CollateError, DataPosition, Loader, ResumeWarning, num_batches, num_examples
+from functrain.trainer import build
 
 
 class Squares:
@@ -142,6 +145,108 @@ def test_workers_give_the_same_batches_as_the_main_process():
     for a, b, c in zip(serial, parallel, parallel_ahead):
         assert torch.equal(a["index"], b["index"]) and torch.equal(a["x"], b["x"])
         assert torch.equal(a["index"], c["index"]) and torch.equal(a["x"], c["x"])
+
+
+class WhoLoads(Squares):
+    """Each example says which process loaded it, a draw from the global torch RNG (augmentation done the
+    way the docstring advises against, to see the workers' seeds) and which worker_init_fn calls its
+    worker saw."""
+
+    def __getitem__(self, i):
+        inits = torch.tensor(sorted(_WORKER_INITS) or [-1])
+        return {**super().__getitem__(i), "pid": os.getpid(), "noise": torch.rand(()), "inits": inits}
+
+
+_WORKER_INITS: list[int] = []  # appended to in each worker process
+
+
+def _record_init(worker_id):
+    _WORKER_INITS.append(worker_id)
+
+
+def epochs_of(loader, count):
+    return [list(loader.epoch(e)) for e in range(count)]
+
+
+def test_workers_persist_across_epochs_with_the_batches_of_new_workers():
+    kwargs = dict(batch_size=4, key=random.key(0), prefetch=0, num_workers=2)
+    kept = epochs_of(Loader(WhoLoads(18), **kwargs), 3)
+    fresh = epochs_of(Loader(WhoLoads(18), persistent_workers=False, **kwargs), 3)
+    serial = epochs_of(Loader(WhoLoads(18), batch_size=4, key=random.key(0), prefetch=0), 3)
+
+    def pids(batches):
+        return {p for b in batches for p in b["pid"].tolist()}
+
+    assert pids(kept[0]) == pids(kept[1]) == pids(kept[2]) and len(pids(kept[0])) == 2
+    assert os.getpid() not in pids(kept[0])
+    assert not pids(fresh[0]) & pids(fresh[1])  # the old behaviour: new processes every epoch
+    for k, f, s in zip(kept, fresh, serial):
+        assert [b["index"].tolist() for b in k] == [b["index"].tolist() for b in s]
+        assert all(torch.equal(a["x"], b["x"]) for a, b in zip(k, s))
+        # Reseeded per epoch as torch seeds new workers: the same draws as fresh workers.
+        assert torch.equal(torch.cat([b["noise"] for b in k]), torch.cat([b["noise"] for b in f]))
+    assert not torch.equal(torch.cat([b["noise"] for b in kept[0]]), torch.cat([b["noise"] for b in kept[1]]))
+
+
+def test_persistent_workers_resume_and_survive_abandoned_and_failed_epochs():
+    kwargs = dict(batch_size=3, key=random.key(1), prefetch=0)
+    loader = Loader(WhoLoads(20), num_workers=2, prefetch_factor=1, **kwargs)
+    reference = Loader(WhoLoads(20), **kwargs)
+    first = loader.epoch(0)
+    next(first)  # left open: its workers still hold batches of epoch 0
+    other = [b["index"].tolist() for b in loader.epoch(2)]  # an epoch while epoch 0 is open
+    assert other == [b["index"].tolist() for b in reference.epoch(2)]
+    first.close()
+    resumed = [b["index"].tolist() for b in loader.epoch(1, start_index=2)]
+    assert resumed == [b["index"].tolist() for b in reference.epoch(1)][2:]
+
+    class FailsOnce(WhoLoads):
+        def __getitem__(self, i):
+            if i == 7 and self.epoch_to_fail:
+                raise ValueError("example 7 fails in epoch 0")
+            return super().__getitem__(i)
+
+    failing = FailsOnce(20)
+    failing.epoch_to_fail = True
+    loader = Loader(failing, num_workers=2, **kwargs)
+    with pytest.raises(ValueError, match="example 7 fails"):
+        list(loader.epoch(0))
+    failing.epoch_to_fail = False  # reaches the workers only if new ones start
+    assert [b["index"].tolist() for b in loader.epoch(1)] == [b["index"].tolist() for b in reference.epoch(1)]
+
+
+def test_worker_init_fn_runs_once_in_each_worker():
+    loader = Loader(WhoLoads(16), 4, shuffle=False, prefetch=0, num_workers=2, worker_init_fn=_record_init)
+    for batches in epochs_of(loader, 2):
+        for b in batches:
+            inits = b["inits"]
+            assert inits.shape == (4, 1) and set(inits[:, 0].tolist()) <= {0, 1}
+        assert {b["inits"][0, 0].item() for b in batches} == {0, 1}
+    assert _WORKER_INITS == []  # never called in this process
+
+
+def test_worker_options_are_checked():
+    with pytest.raises(ValueError, match="prefetch_factor=2 needs worker processes"):
+        Loader(Squares(4), 2, shuffle=False, prefetch_factor=2)
+    with pytest.raises(ValueError, match="prefetch_factor must be an int >= 1"):
+        Loader(Squares(4), 2, shuffle=False, num_workers=1, prefetch_factor=0)
+    with pytest.raises(ValueError, match="DataLoader together with persistent_workers, worker_init_fn"):
+        Loader(DataLoader(TensorDataset(torch.arange(4))), persistent_workers=False, worker_init_fn=print)
+    # Without workers there is nothing to keep: persistent_workers=True (the default) is fine.
+    assert len(list(Loader(Squares(4), 2, shuffle=False, persistent_workers=True).epoch(0))) == 2
+
+
+def test_the_trainer_config_passes_the_worker_options():
+    def pids(config):
+        loader = build.loader(config, WhoLoads(8), 4, key=random.key(0), device=torch.device("cpu"))
+        return [{p for b in loader.epoch(e) for p in b["pid"].tolist()} for e in range(2)]
+
+    kept = pids(TrainerConfig(max_steps=1, num_workers=2, prefetch_factor=3))
+    assert kept[0] == kept[1]
+    fresh = pids(TrainerConfig(max_steps=1, num_workers=2, persistent_workers=False))
+    assert not fresh[0] & fresh[1]
+    with pytest.raises(ConfigError, match="prefetch_factor: is set but num_workers is 0"):
+        TrainerConfig(max_steps=1, prefetch_factor=2)
 
 
 def test_prefetching_iterate_matches_the_unprefetched_one():

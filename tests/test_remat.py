@@ -225,6 +225,40 @@ def test_unroutable_checkpoint_reference_is_refused_naming_remat() -> None:
         _one_step(_model(Captured))
 
 
+class _OldStyleDouble(torch.autograd.Function):
+    """forward(ctx, x) and no setup_context: what torch.func refuses (DTensor's TP hooks are such)."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        return grad * 2
+
+
+def test_an_autograd_function_without_setup_context_is_named_not_taken_for_a_checkpoint() -> None:
+    class Doubling(Net):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return _OldStyleDouble.apply(super().forward(x))
+
+    with pytest.raises(RuntimeError) as info:
+        _one_step(_model(Doubling))
+    message = str(info.value)
+    assert f"{__name__}._OldStyleDouble" in message and "without setup_context" in message, message
+    assert "setup_context(ctx, inputs, output)" in message and "ft.jit(step)" in message, message
+    assert "checkpoint" not in message, message
+    # a reentrant torch.utils.checkpoint (also a Function without setup_context) keeps its own message
+    captured = torch.utils.checkpoint.checkpoint
+
+    class Reentrant(Net):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(captured(self.blocks[0], x, use_reentrant=True))
+
+    with pytest.raises(RuntimeError, match=r"ft\.remat\(block\)"):
+        _one_step(_model(Reentrant))
+
+
 def test_tensor_captured_in_closure_is_refused() -> None:
     w = torch.randn(8, 8)
     with pytest.raises(TypeError, match="closure holds the tensor 'w'"):

@@ -182,6 +182,23 @@ def test_fit_resumes_a_sharded_run_bitwise_and_the_plain_manager_refuses_it(save
         assert "ShardedCheckpointManager" in out["plain_manager_refused"]
 
 
+def test_a_sharded_mismatch_names_whole_shapes_and_a_fit_file_says_what_it_holds(
+    saved: tuple[str, str],
+) -> None:
+    out_dir, _ = saved
+    for r in range(2):
+        out = torch.load(os.path.join(out_dir, f"save_rank{r}.pt"), weights_only=False)
+        lines = out["wider_resumed"].splitlines()
+        weight = next((line for line in lines if "params['weight']" in line), out["wider_resumed"])
+        # the whole shapes, then each side's rows on this rank (not the rows alone)
+        assert "checkpoint torch.float32 [12, 16], model torch.float32 [14, 16]" in weight, weight
+        assert "rows: checkpoint [6, 16], model [7, 16]" in weight, weight
+        head = out["bare_restored"].splitlines()[0]
+        assert "{'state', 'loop'}" in head and "target={'state': state})['state']" in head, head
+        restored, saved = out["hinted_step"]  # what the hint says restores the train state
+        assert restored == saved >= 1
+
+
 def test_checkpoint_of_2_ranks_resumes_in_one_process(saved: tuple[str, str]) -> None:
     _, directory = saved
     model = worker.build(worker.Transformer, on_meta=False)

@@ -24,7 +24,7 @@ from functrain.checkpoint import format as fmt
 from functrain.checkpoint import structure
 from functrain.checkpoint.errors import CheckpointError
 from functrain.checkpoint.format import CheckpointHeader, TensorInfo
-from functrain.checkpoint.onto import restore_onto
+from functrain.checkpoint.onto import fit_checkpoint_hint, restore_onto
 
 __all__ = ["read_header", "restore", "save"]
 
@@ -148,6 +148,11 @@ def _mismatches(saved: dict[structure.Path, Any], wanted: dict[structure.Path, A
     return problems
 
 
+def root_keys(node: Any) -> list[Any]:
+    """The keys of a saved tree's root when it is a dict (``["state", "loop"]`` for ``fit``'s files)."""
+    return [pair[0] for pair in node[1]] if node[0] == "dict" else []
+
+
 def restore(path: PathLike, target: Any = None) -> Any:
     """Load the tree saved at ``path``, bit-exact.
 
@@ -155,10 +160,11 @@ def restore(path: PathLike, target: Any = None) -> Any:
     included) and each tensor lands on the matching target tensor's device; structure, shapes and dtypes
     are checked first, from the header alone, and every mismatch is reported by path in one
     :class:`CheckpointError`. Without ``target``, plain containers come back: structs as dicts of their
-    data fields, named tuples as tuples.
+    data fields, named tuples as tuples. A ``TrainState``'s optimizer is code, not in the file: restore
+    one onto a state built as before (a step refuses the plain dict, naming ``target=``).
 
     Example:
-        >>> state = restore("run/step_00001000.ckpt", target=state)  # doctest: +SKIP
+        >>> state = restore("run/state.ckpt", target=TrainState.create(model, tx))  # doctest: +SKIP
     """
     name = os.fspath(path)
     with open_for_reading(path) as file:
@@ -175,9 +181,11 @@ def restore(path: PathLike, target: Any = None) -> Any:
         problems = _mismatches(saved, wanted)
         if problems:
             listing = "\n  ".join(problems)
+            hint = fit_checkpoint_hint(root_keys(header.tree), target) or (
+                "restore without a target to inspect it, or build a target of the saved shape"
+            )
             raise CheckpointError(
-                f"{name} does not match the target ({len(problems)} problem(s)); restore without a target "
-                f"to inspect it, or build a target of the saved shape:\n  {listing}"
+                f"{name} does not match the target ({len(problems)} problem(s)); {hint}:\n  {listing}"
             )
         loaded = [None] * len(header.tensors)
         for index, tensor in fmt.read_tensors(file, header, name=name):

@@ -9,6 +9,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -33,6 +34,15 @@ def restore_onto(target: Any, raw: Any, where: str = "state") -> Any:
         >>> state = restore_onto(state, manager.restore("best")["state"])  # doctest: +SKIP
     """
     problems: list[str] = []
+    shapes: dict[Path, tuple[int, ...]] | None = None
+
+    def whole_shapes(path: Path) -> tuple[int, ...] | None:
+        nonlocal shapes
+        if shapes is None:  # a shard's whole shape, looked up once something mismatches
+            from functrain.checkpoint.sharded import _sharded_paths
+
+            shapes = _sharded_paths(target)
+        return shapes.get(path)
 
     def leaf(node: Any, saved: Any, path: Path) -> Any:
         if node is None:
@@ -44,10 +54,7 @@ def restore_onto(target: Any, raw: Any, where: str = "state") -> Any:
                 )
                 return node
             if saved.shape != node.shape or saved.dtype != node.dtype:
-                problems.append(
-                    f"{where}.{tree.path_str(path)}: checkpoint {saved.dtype} {list(saved.shape)}, "
-                    f"model {node.dtype} {list(node.shape)}"
-                )
+                problems.append(f"{where}.{tree.path_str(path)}: {_shapes(saved, node, whole_shapes(path))}")
                 return node
             return saved.to(node.device)
         return saved
@@ -71,11 +78,46 @@ def restore_onto(target: Any, raw: Any, where: str = "state") -> Any:
 
     out = walk(target, raw, ())
     if problems:
+        hint = fit_checkpoint_hint(raw.keys() if isinstance(raw, dict) else (), target)
+        hint = hint or "was it written for another model or optimizer?"
         raise ValueError(
-            "the checkpoint does not match this run's state (was it written for another model or "
-            "optimizer?):\n  " + "\n  ".join(problems[:30])
+            f"the checkpoint does not match this run's state ({hint}):\n  " + "\n  ".join(problems[:30])
         )
     return out
+
+
+def fit_checkpoint_hint(saved_keys: Iterable[Any], target: Any, sharded: bool = False) -> str:
+    """What to say when a file that ``fit`` wrote (``{"state": ..., "loop": ...}``) meets a bare state;
+    ``""`` for any other mismatch.
+
+    Example:
+        >>> fit_checkpoint_hint(["state", "loop"], {"params": {}})[:39]
+        "it is a fit checkpoint: it holds {'state"
+    """
+    if not {"state", "loop"} <= set(saved_keys) or (isinstance(target, dict) and "state" in target):
+        return ""
+    how = (
+        "restore_sharded(directory, target={'state': state})['state']"
+        if sharded
+        else "ft.checkpoint.restore_onto(state, ft.checkpoint.restore(path)['state'])"
+    )
+    return (
+        "it is a fit checkpoint: it holds {'state', 'loop'}, the train state and the loop's position; "
+        f"restore the train state with {how}"
+    )
+
+
+def _shapes(saved: torch.Tensor, node: torch.Tensor, whole: tuple[int, ...] | None) -> str:
+    """``checkpoint float32 [12, 16], model float32 [14, 16]``: whole shapes first, then the rows this
+    rank holds of each side that is a shard (a ZeRO state's, or a sharded checkpoint's)."""
+    from functrain.checkpoint.sharded import WHOLE_SHAPE
+
+    saved_whole = getattr(saved, WHOLE_SHAPE, None)
+    text = f"checkpoint {saved.dtype} {list(saved_whole or saved.shape)}, "
+    text += f"model {node.dtype} {list(whole or node.shape)}"
+    rows = [f"checkpoint {list(saved.shape)}"] if saved_whole is not None else []
+    rows += [f"model {list(node.shape)}"] if whole is not None else []
+    return f"{text} (this rank's rows: {', '.join(rows)})" if rows else text
 
 
 def _has_leaves(node: Any) -> bool:

@@ -41,6 +41,7 @@ from functrain.checkpoint import file as checkpoint_file
 from functrain.checkpoint import format as fmt
 from functrain.checkpoint import structure
 from functrain.checkpoint.errors import CheckpointError
+from functrain.checkpoint.onto import fit_checkpoint_hint
 from functrain.distributed.sharding import local_rows
 
 __all__ = [
@@ -53,6 +54,9 @@ __all__ = [
 ]
 
 MANIFEST = "manifest.ckpt"
+# The saved leaf's global shape, set on the rows a plain restore with ``sharding=`` returns (this rank's
+# block), so that ``restore_onto`` reports a mismatch in whole shapes ([12, 16] vs [14, 16]), not blocks.
+WHOLE_SHAPE = "functrain_whole_shape"
 _DIR = re.compile(r"^step_(\d+)\.shards$")
 _KEY = "functrain_sharded"
 # a param leaf's path as tree.path_str writes it: "params.w", "state.params['fc.weight']"
@@ -351,9 +355,10 @@ def restore_sharded(
             wanted[where] = _whole(source, where)
         targets[where] = (path, leaf)
     if problems:
+        hint = fit_checkpoint_hint(checkpoint_file.root_keys(header0.tree), target, sharded=True)
         raise CheckpointError(
-            f"{source.folder} does not match the target ({len(problems)} problem(s)):\n  "
-            + "\n  ".join(problems)
+            f"{source.folder} does not match the target ({len(problems)} problem(s)){'; ' if hint else ''}"
+            f"{hint}:\n  " + "\n  ".join(problems)
         )
     tensors = source.read(wanted)
 
@@ -379,9 +384,11 @@ def _local_or_trimmed(
     if where not in local:
         return _trim(source, where, tensors[where])
     start, stop = local[where]
-    if where in tensors:
-        return tensors[where]
-    return torch.zeros((stop - start, *source.sharded[where][1:]), dtype=info.dtype)  # padding rows only
+    rows = tensors.get(where)
+    if rows is None:  # padding rows only
+        rows = torch.zeros((stop - start, *source.sharded[where][1:]), dtype=info.dtype)
+    setattr(rows, WHOLE_SHAPE, source.sharded[where])  # what a mismatch report names (restore_onto)
+    return rows
 
 
 def _whole(source: _Source, where: str) -> tuple[int, int]:

@@ -27,9 +27,12 @@ from functrain.checkpoint.errors import CheckpointError
 __all__ = ["DEBUG_ENV", "BuildError", "debug_requested", "one_line", "report", "user_frame"]
 
 DEBUG_ENV = "FUNCTRAIN_DEBUG"
-_FUNCTRAIN = str(Path(__file__).resolve().parent)
+# functrain's own files (the package, not only functrain/cli: a config error raised in functrain/config
+# named config/section.py as the user's line) and the standard library's; a folder ends with a separator,
+# so that a user's project named functrain_tasks/ is not taken for functrain/.
+_FUNCTRAIN = os.path.realpath(Path(__file__).parent.parent)
 _NOT_USER = tuple(
-    p
+    os.path.join(os.path.realpath(p), "")
     for p in {
         _FUNCTRAIN,
         sysconfig.get_paths().get("stdlib", ""),
@@ -87,18 +90,17 @@ def user_frame(error: BaseException) -> str | None:
     for exc in (error.__cause__, error):  # build errors chain the user's exception as the cause
         if exc is None:
             continue
-        frames = [
-            f
-            for f in traceback.extract_tb(exc.__traceback__)
-            if not _outside_user_code(os.path.abspath(f.filename))
-        ]
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if not _outside_user_code(f.filename)]
         if frames:
             return f"{frames[-1].filename}:{frames[-1].lineno}"
     return None
 
 
 def _outside_user_code(filename: str) -> bool:
-    return filename.startswith(_NOT_USER) or filename.startswith("<") or "torch" in Path(filename).parts
+    if filename.startswith("<"):  # <string>, <frozen ...>
+        return True
+    path = os.path.realpath(filename)
+    return path.startswith(_NOT_USER) or "torch" in Path(path).parts
 
 
 def report(command: str, error: BaseException, status: int, *, debug: bool = False) -> int:

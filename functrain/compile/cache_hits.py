@@ -118,7 +118,7 @@ class CacheHits:
 
     def _lookup(self, state: Any, args: tuple, kwargs: dict) -> tuple[Callable[..., Any] | None, str]:
         self.missed_on_guards = False
-        if not self.enabled or torch.compiler.is_compiling() or _stance() != "default":
+        if not self.enabled or torch.compiler.is_dynamo_compiling() or _stance() != "default":
             return None, ""
         fn = self.fn
         try:

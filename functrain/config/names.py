@@ -18,12 +18,92 @@ from typing import Literal
 
 from functrain.config.schedules import SCHEDULES
 
-__all__ = ["OPTIMIZER_NAMES", "RENAMED_FIELDS", "SCHEDULER_NAMES", "metric_mode"]
+__all__ = [
+    "OPTIMIZER_ALIASES",
+    "OPTIMIZER_NAMES",
+    "RENAMED_FIELDS",
+    "SCHEDULER_ALIASES",
+    "SCHEDULER_NAMES",
+    "canonical_name",
+    "metric_mode",
+    "unsupported_name",
+]
 
 OPTIMIZER_NAMES: tuple[str, ...] = ("sgd", "adam", "adamw", "rmsprop", "adagrad", "lion", "lamb")
 
 # The schedule names are the keys of the one table that builds them.
 SCHEDULER_NAMES: tuple[str, ...] = tuple(SCHEDULES)
+
+# Hugging Face's names (TrainingArguments.optim, lr_scheduler_type) for what functrain builds with the same
+# math at HF's defaults (betas 0.9/0.999, eps 1e-8, weight_decay 0), mapped to functrain's name. HF's
+# "sgd", "adagrad", "rmsprop", "linear", "cosine", "constant" and "polynomial" are functrain's names already.
+OPTIMIZER_ALIASES: dict[str, str] = dict.fromkeys(
+    (
+        "adamw_torch",
+        "adamw_torch_fused",
+        "adamw_hf",
+        "adamw_torch_xla",
+        "adamw_torch_npu_fused",
+        "adamw_apex_fused",
+    ),
+    "adamw",
+)
+SCHEDULER_ALIASES: dict[str, str] = {"constant_with_warmup": "constant"}
+
+# Other trainers' names for what functrain does not build: (why, what to write instead).
+_UNSUPPORTED: dict[str, dict[str, tuple[str, str]]] = {
+    "optimizer": {
+        "adafactor": (
+            "functrain.optim has no Adafactor (factored second moments)",
+            "use adamw, the nearest; or lion, which keeps one moment (half of adamw's optimizer state)",
+        ),
+        "lion_32bit": (
+            "Hugging Face's lion_32bit takes adam_beta2 (0.999 by default) where functrain's lion has b2=0.99",
+            "write name: lion with args: {b2: 0.999} for Hugging Face's defaults",
+        ),
+    },
+    "scheduler": {
+        "reduce_lr_on_plateau": (
+            "functrain's schedules are functions of the step, computed inside the compiled step; a plateau "
+            "rule needs the evaluation metric",
+            "use a schedule of the step (cosine, linear), or lower the rate from a callback with "
+            "functrain.optim.set_hyperparams",
+        ),
+    },
+}
+_LOW_BIT = ("8bit", "4bit", "bnb", "paged_", "galore", "anyprecision")
+
+
+def canonical_name(value: object, aliases: dict[str, str]) -> object:
+    """A name as the config stores it: lower case, another trainer's alias replaced by functrain's.
+
+    Example:
+        >>> canonical_name("AdamW_Torch_Fused", OPTIMIZER_ALIASES)
+        'adamw'
+    """
+    if not isinstance(value, str):
+        return value
+    lowered = value.lower()
+    return aliases.get(lowered, lowered)
+
+
+def unsupported_name(what: str, name: str) -> tuple[str, str] | None:
+    """``(why, fix)`` for another trainer's optimizer or scheduler name that functrain does not build
+    (``what``: ``"optimizer"`` or ``"scheduler"``), ``None`` for any other name.
+
+    Example:
+        >>> unsupported_name("optimizer", "adamw_bnb_8bit")[1]
+        'use adamw (full-precision states)'
+    """
+    found = _UNSUPPORTED[what].get(name)
+    if found is None and what == "optimizer" and any(part in name for part in _LOW_BIT):
+        found = (
+            f"{name!r} keeps low-precision or projected optimizer states (bitsandbytes, torchao, GaLore), "
+            "which functrain.optim does not",
+            "use adamw (full-precision states)",
+        )
+    return found
+
 
 # Field names of the Towhee, Hezar, LiBai and Hugging Face trainers, mapped to ours: difflib cannot
 # guess that "epoch_num" means "epochs", and people bring their old configs along.

@@ -20,7 +20,15 @@ from typing import Any, Literal
 
 from functrain.config.errors import ConfigError, Problem, suggestion
 from functrain.config.imports import check_import_spec, imports_deferred
-from functrain.config.names import OPTIMIZER_NAMES, SCHEDULER_NAMES, metric_mode
+from functrain.config.names import (
+    OPTIMIZER_ALIASES,
+    OPTIMIZER_NAMES,
+    SCHEDULER_ALIASES,
+    SCHEDULER_NAMES,
+    canonical_name,
+    metric_mode,
+    unsupported_name,
+)
 from functrain.config.section import ConfigSection, config_section, option, rule
 
 __all__ = [
@@ -34,17 +42,24 @@ __all__ = [
 ]
 
 
-def _lower_name(value: Any, path: str) -> Any:
-    return value.lower() if isinstance(value, str) else value
-
-
 def _reserved_args(path: str, args: Mapping[str, Any], reserved: Mapping[str, str]) -> Iterable[Problem]:
     for key, field in reserved.items():
         if key in args:
             yield Problem(f"{path}.{key}", "is a field of its own, not an argument", f"set {field} instead")
 
 
+def _optimizer_name(value: Any, path: str) -> Any:
+    return canonical_name(value, OPTIMIZER_ALIASES)
+
+
+def _scheduler_name(value: Any, path: str) -> Any:
+    return canonical_name(value, SCHEDULER_ALIASES)
+
+
 def _name_problem(path: str, name: str, known: Iterable[str], what: str) -> Problem:
+    unsupported = unsupported_name(what, name) if what in ("optimizer", "scheduler") else None
+    if unsupported is not None:
+        return Problem(path, f"unknown {what} {name!r}: {unsupported[0]}", unsupported[1])
     known = list(known)
     hint = suggestion(name, known)
     if hint and len(known) > 12:  # a long catalogue (torch.nn losses) would bury the suggestion
@@ -63,7 +78,12 @@ class OptimizerConfig(ConfigSection):
         0.0003
     """
 
-    name: str = option("adamw", doc=f"Optimizer, one of {', '.join(OPTIMIZER_NAMES)}.", normalize=_lower_name)
+    name: str = option(
+        "adamw",
+        doc=f"Optimizer, one of {', '.join(OPTIMIZER_NAMES)} (Hugging Face's adamw_torch, adamw_torch_fused, "
+        "adamw_hf: adamw).",
+        normalize=_optimizer_name,
+    )
     lr: float = option(
         1e-3, doc="Peak learning rate (the scheduler scales it per optimizer step).", greater_than=0
     )
@@ -107,7 +127,9 @@ class SchedulerConfig(ConfigSection):
     """
 
     name: str = option(
-        "constant", doc=f"Schedule, one of {', '.join(SCHEDULER_NAMES)}.", normalize=_lower_name
+        "constant",
+        doc=f"Schedule, one of {', '.join(SCHEDULER_NAMES)} (Hugging Face's constant_with_warmup: constant).",
+        normalize=_scheduler_name,
     )
     warmup_steps: int | None = option(
         None, doc="Linear warm-up from 0 over this many optimizer steps (or use warmup_ratio).", minimum=0

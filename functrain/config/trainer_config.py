@@ -214,6 +214,12 @@ class TrainerConfig(ConfigSection):
         "Hugging Face labels or models without dropout; refused with BatchNorm (use drop_last).",
     )
     num_workers: int = option(0, doc="DataLoader worker processes (0 loads in the main process).", minimum=0)
+    persistent_workers: bool = option(
+        True, doc="Keep the worker processes from one epoch to the next (with num_workers > 0)."
+    )
+    prefetch_factor: int | None = option(
+        None, doc="Batches each worker loads ahead; null: torch's 2. Needs num_workers > 0.", minimum=1
+    )
     pin_memory: bool = option(False, doc="Pin host batches in page-locked memory for faster GPU copies.")
     # -- optimization
     optimizer: OptimizerConfig = option(default_factory=OptimizerConfig, doc="The optimizer.")
@@ -551,6 +557,15 @@ class TrainerConfig(ConfigSection):
         if self.pin_memory and self.device == "cpu":
             yield Problem(
                 "pin_memory", "only speeds up copies to a GPU, and device is 'cpu'", "set pin_memory=false"
+            )
+
+    @rule("num_workers", "prefetch_factor")
+    def _prefetch_factor_needs_workers(self) -> Iterable[Problem]:
+        if self.prefetch_factor is not None and self.num_workers == 0:
+            yield Problem(
+                "prefetch_factor",
+                "is set but num_workers is 0 (no worker loads ahead)",
+                "set num_workers, or prefetch_factor=null",
             )
 
     @rule("compile", "compile_mode")

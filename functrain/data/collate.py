@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Sequence
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 import optree
 import torch
+from torch.utils.data import get_worker_info
 
 from functrain import tree
 
@@ -47,6 +49,109 @@ def collate(samples: Sequence[Any]) -> Any:
             "collate: got no samples; an empty batch has no structure to copy. "
             "Use functrain.data.empty_batch(sample) to make one shaped like a sample"
         )
+    try:
+        return _stack_columns(list(samples))
+    except Exception:
+        # Something differs between the samples, or a container or leaf the fast path does not know:
+        # the careful path gives the same batch, or the error that names the sample and the path.
+        return _collate_checked(samples)
+
+
+# The fast path: one pass per container over the samples, comparing each with the first by exact type
+# and keys or length, and stacking each column with one torch/numpy call. It checks what the careful path
+# checks (any mismatch raises) and never builds a tree spec per sample: 0.9-1.1x default_collate's time
+# on tensor samples where the careful path alone takes 3-6x (benchmarks/README.md, "Data loading").
+
+
+class _Differs(Exception):
+    """The fast path met a difference between samples, or a type it leaves to the careful path."""
+
+
+_INT_OR_FLOAT = frozenset({int, float})
+
+
+def _stack_columns(values: list[Any]) -> Any:
+    first = values[0]
+    cls = type(first)
+    if isinstance(first, torch.Tensor):
+        return _stack_tensors(values)  # raises for a non-tensor or another shape
+    if cls is dict:
+        # Same type and size everywhere, and every key of the first found in each (a KeyError otherwise):
+        # the same keys. set(map(...)) runs in C, a loop over the samples would not.
+        if set(map(type, values)) != {dict} or set(map(len, values)) != {len(first)}:
+            raise _Differs
+        return {key: _stack_columns([value[key] for value in values]) for key in first}
+    if cls is tuple or cls is list or optree.is_namedtuple_class(cls):
+        if set(map(type, values)) != {cls} or set(map(len, values)) != {len(first)}:
+            raise _Differs
+        columns = [_stack_columns(list(column)) for column in zip(*values)]
+        return cls(columns) if cls is tuple or cls is list else cls(*columns)
+    if first is None:
+        if any(value is not None for value in values):
+            raise _Differs
+        return None
+    if isinstance(first, np.ndarray):
+        if first.dtype.kind not in "biufc" or not all(
+            issubclass(t, np.ndarray) for t in set(map(type, values))
+        ):
+            raise _Differs
+        return _stack_arrays(values)  # raises for another shape
+    types = set(map(type, values))
+    if cls is bool and types == {bool}:
+        return torch.tensor(values, dtype=torch.bool)
+    if (cls is int or cls is float) and types <= _INT_OR_FLOAT:
+        # Python floats follow torch's default dtype (float32 unless changed), not float64.
+        return torch.tensor(values, dtype=torch.int64 if types == {int} else torch.get_default_dtype())
+    if isinstance(first, np.generic) and all(issubclass(t, np.generic) for t in types):
+        return torch.from_numpy(np.asarray(values))
+    if (cls is str or cls is bytes) and types == {cls}:
+        return list(values)
+    fields = getattr(cls, "__functrain_struct__", None)
+    if fields is not None and not fields[1]:  # a tree.struct without static fields
+        if types != {cls}:
+            raise _Differs
+        return cls(**{name: _stack_columns([getattr(v, name) for v in values]) for name in fields[0]})
+    raise _Differs
+
+
+# In a DataLoader worker a batch reaches the main process through shared memory: stacked into shared
+# memory at once (as default_collate does), it is not copied there again when sent (batches of 32
+# 3x224x224 images in 2 workers: 1.9x default_collate's epoch without this, 0.96x with it).
+
+
+def _stack_tensors(values: list[torch.Tensor]) -> torch.Tensor:
+    first = values[0]
+    if get_worker_info() is None or first.device.type != "cpu" or not _one_dtype(values):
+        return torch.stack(values)  # mixed dtypes: stack promotes them, where out= would cast to the first's
+    return torch.stack(values, out=_shared_empty((len(values), *first.shape), first.dtype))
+
+
+def _stack_arrays(values: list[np.ndarray]) -> torch.Tensor:
+    first = values[0]
+    if get_worker_info() is None or not _one_dtype(values):
+        return torch.from_numpy(np.stack(values))
+    out = _shared_empty((len(values), *first.shape), torch.from_numpy(np.empty(0, first.dtype)).dtype)
+    np.stack(values, out=out.numpy())
+    return out
+
+
+def _one_dtype(values: list[Any]) -> bool:
+    dtype = values[0].dtype
+    return all(value.dtype == dtype for value in values)
+
+
+def _shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    # torch's own default_collate allocates its output this way (no public call makes a shared tensor
+    # without copying into it).
+    template = torch.empty(0, dtype=dtype)
+    storage = template._typed_storage()._new_shared(math.prod(shape), device=template.device)
+    return template.new(storage).resize_(shape)
+
+
+# The careful path: every sample flattened and compared with the first, every leaf's kind and shape checked.
+
+
+def _collate_checked(samples: Sequence[Any]) -> Any:
     first_leaves, spec = tree.flatten(samples[0])
     columns: list[list[Any]] = [[leaf] for leaf in first_leaves]
     for i, sample in enumerate(samples[1:], start=1):

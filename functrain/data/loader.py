@@ -34,6 +34,7 @@ from functrain.data.prefetch import Prefetcher
 from functrain.data.sources import DataLoaderSource, IterableSource, MapSource, is_stream
 from functrain.data.stream_state import fingerprint, warn_not_replayed
 from functrain.data.transfer import to_device
+from functrain.data.workers import WorkerOptions
 
 __all__ = ["Loader"]
 
@@ -84,6 +85,15 @@ class Loader:
     (``prefetch=0``: load in the caller's thread). ``pin_memory`` page-locks host batches for
     asynchronous CUDA copies.
 
+    ``num_workers`` processes load a map-style dataset's examples; ``persistent_workers`` (default)
+    keeps them from one epoch to the next (new ones made each epoch's first batch wait 85-140 ms against
+    12-17 ms), with the batches of new workers: each epoch reseeds them as torch seeds a new worker. They
+    keep the dataset as it was when they started: a change made to it between epochs needs
+    ``persistent_workers=False``.
+    ``prefetch_factor`` (batches loaded ahead per worker) and ``worker_init_fn`` (called once in each
+    new worker with its id) mean what they mean for ``DataLoader``. An iterable dataset gets new
+    workers every pass, so that ``set_epoch`` reaches them.
+
     Example:
         >>> loader = Loader(list(range(10)), batch_size=4, shuffle=False, prefetch=0)
         >>> [b.tolist() for b in loader.epoch(0)]
@@ -100,6 +110,9 @@ class Loader:
         drop_last: bool = False,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         num_workers: int = 0,
+        persistent_workers: bool = True,
+        prefetch_factor: int | None = None,
+        worker_init_fn: Callable[[int], None] | None = None,
         pin_memory: bool = False,
         prefetch: int = 2,
         device: str | torch.device | None = None,
@@ -109,6 +122,14 @@ class Loader:
         shuffle_buffer: int | None = None,
     ) -> None:
         _check_int("num_workers", num_workers, minimum=0)
+        if prefetch_factor is not None:
+            _check_int("prefetch_factor", prefetch_factor, minimum=1)
+            if num_workers == 0:
+                raise ValueError(
+                    f"Loader: prefetch_factor={prefetch_factor} needs worker processes (num_workers > 0); "
+                    "set num_workers, or leave prefetch_factor unset (prefetch= sets how many batches "
+                    "the loading thread keeps ready)"
+                )
         _check_int("prefetch", prefetch, minimum=0)
         _check_int("world_size", world_size, minimum=1)
         _check_int("rank", rank, minimum=0)
@@ -136,6 +157,9 @@ class Loader:
                 "drop_last": drop_last,
                 "collate_fn": collate_fn is not None,
                 "num_workers": num_workers != 0,
+                "persistent_workers": not persistent_workers,
+                "prefetch_factor": prefetch_factor is not None,
+                "worker_init_fn": worker_init_fn is not None,
                 "pin_memory": pin_memory,
                 "rank/world_size": world_size != 1,
                 "pad_last": pad_last,
@@ -160,6 +184,7 @@ class Loader:
                 "Loader: batch_size is required for a dataset (only a DataLoader brings its own)"
             )
         _check_int("batch_size", batch_size, minimum=1)
+        workers = WorkerOptions(num_workers, bool(persistent_workers), prefetch_factor, worker_init_fn)
         if is_stream(data):
             if shuffle and not shuffle_buffer:
                 raise ValueError(
@@ -179,7 +204,7 @@ class Loader:
                 batch_size,
                 drop_last=drop_last,
                 collate_fn=collate_fn,
-                num_workers=num_workers,
+                workers=workers,
                 pin_memory=pin_memory,
                 key=key,
                 shuffle_buffer=shuffle_buffer if shuffle else None,
@@ -210,7 +235,7 @@ class Loader:
             key=key,
             drop_last=drop_last,
             collate_fn=collate_fn,
-            num_workers=num_workers,
+            workers=workers,
             pin_memory=pin_memory,
             rank=rank,
             world_size=world_size,

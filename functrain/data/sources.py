@@ -35,6 +35,7 @@ from functrain.data.order import epoch_order, shard_batches
 from functrain.data.position import num_batches
 from functrain.data.shuffle_buffer import ShuffleBuffer
 from functrain.data.stream_state import ResumeWarning, StreamState, is_stateful
+from functrain.data.workers import BatchRunner, WorkerOptions
 
 __all__ = ["DataLoaderSource", "IterableSource", "MapSource", "ResumeWarning", "is_stream"]
 
@@ -124,7 +125,7 @@ class MapSource:
         key: torch.Tensor | None,
         drop_last: bool,
         collate_fn: Callable[[list[Any]], Any] | None,
-        num_workers: int,
+        workers: WorkerOptions,
         pin_memory: bool,
         rank: int,
         world_size: int,
@@ -135,11 +136,14 @@ class MapSource:
         self.key = key
         self.drop_last = drop_last
         self.collate_fn = collate_fn
-        self.num_workers = num_workers
         self.pin_memory = pin_memory
         self.rank = rank
         self.world_size = world_size
         self.batches_per_epoch: int | None = num_batches(len(dataset), batch_size, drop_last, world_size)
+        noting = NotingBatchDataset if getattr(dataset, "__getitems__", None) else NotingDataset
+        self._runner = BatchRunner(
+            noting(dataset), collate_fn=collate_fn or collate, pin_memory=pin_memory, options=workers
+        )
 
     def batch_indices(self, epoch: int) -> list[list[int]]:
         """This rank's batches of ``epoch`` as dataset indices (the last may be short or empty)."""
@@ -155,16 +159,7 @@ class MapSource:
         if trailing_empty:
             plan = plan[:-1]
         if plan:
-            noting = NotingBatchDataset if getattr(self.dataset, "__getitems__", None) else NotingDataset
-            loader = DataLoader(
-                noting(self.dataset),
-                batch_sampler=plan,
-                num_workers=self.num_workers,
-                collate_fn=self.collate_fn or collate,
-                pin_memory=self.pin_memory,
-                generator=_worker_generator(self.key, epoch, start_index),
-            )
-            yield from loader
+            yield from self._runner.batches(plan, _worker_generator(self.key, epoch, start_index))
         if trailing_empty:
             yield self._empty_batch()
 
@@ -199,7 +194,7 @@ class IterableSource:
         *,
         drop_last: bool,
         collate_fn: Callable[[list[Any]], Any] | None,
-        num_workers: int,
+        workers: WorkerOptions,
         pin_memory: bool,
         key: torch.Tensor | None,
         shuffle_buffer: int | None = None,
@@ -207,15 +202,15 @@ class IterableSource:
         self.dataset = dataset
         self.key = key
         self.shuffle_buffer = shuffle_buffer
-        stateful = is_stateful(dataset) and not shuffle_buffer and num_workers == 0
+        stateful = is_stateful(dataset) and not shuffle_buffer and workers.num_workers == 0
         self.stream_state = StreamState(dataset) if stateful else None
         self.exact_resume = stateful
         self._loader_args = dict(
             batch_size=batch_size,
             drop_last=drop_last,
             collate_fn=collate_fn or collate,
-            num_workers=num_workers,
             pin_memory=pin_memory,
+            **workers.loader_args(),  # new workers every pass: set_epoch must reach them
         )
         self.batches_per_epoch: int | None = None
         if hasattr(dataset, "__len__"):

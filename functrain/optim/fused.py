@@ -178,7 +178,9 @@ def _kernel_applies(params: list[Tensor], grads: list[Tensor], moments: list[lis
     if not params or not all(x.layout == torch.strided for x in grads):
         return False
     leaves = (
-        params if torch.compiler.is_compiling() else [*params, *grads, *(x for xs in moments for x in xs)]
+        params
+        if torch.compiler.is_dynamo_compiling()
+        else [*params, *grads, *(x for xs in moments for x in xs)]
     )
     return all(
         type(x) in (Tensor, torch.nn.Parameter)

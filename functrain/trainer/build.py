@@ -148,7 +148,8 @@ def schedule(config: TrainerConfig, total_steps: int) -> optim.Schedule | float:
     if not warmup:
         return main
     return optim.join_schedules(
-        [optim.linear_schedule(0.0, lr, warmup), lambda count: main(count - warmup)], [warmup]
+        [optim.linear_schedule(0.0, lr, warmup), main],
+        [warmup],  # join_schedules passes count - warmup
     )
 
 
@@ -291,6 +292,8 @@ def loader(
         "drop_last": config.drop_last if train else False,
         "collate_fn": collate_fn,
         "num_workers": config.num_workers,
+        "persistent_workers": config.persistent_workers,
+        "prefetch_factor": config.prefetch_factor,
         "pin_memory": config.pin_memory,
         "device": device,
     }
