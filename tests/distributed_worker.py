@@ -5,7 +5,8 @@
 Modes: ``train`` (20 uninterrupted steps + evaluation, a run stopped at step 10, checks of replication,
 per-rank randomness and BatchNorm buffers), ``resume`` (continue the stopped run to step 20), ``compile``
 (a few compiled steps against eager ones), ``padded`` (an epoch with pad_last, rank 1's last batch
-empty, against one without). Each rank writes ``OUT_DIR/<mode>_rank<r>.pt``.
+empty, against one without), ``streams`` (each rank's own stream resumed: a stateful one and one that
+replays itself). Each rank writes ``OUT_DIR/<mode>_rank<r>.pt``.
 """
 
 from __future__ import annotations
@@ -72,6 +73,69 @@ def train(
         save_every=5 if checkpoints else None,
         resume_from_checkpoint=resume,
     )
+
+
+class Feed(torch.utils.data.IterableDataset):
+    """A rank's own endless stream that says where it stands (state_dict); a new one starts at ``start``
+    (with ``replays``, every pass starts there: a stream that repeats itself)."""
+
+    def __init__(self, start: int, replays: bool = False) -> None:
+        self.start, self.position, self.replays = start, start, replays
+
+    def __iter__(self):
+        if self.replays:
+            self.position = self.start
+        while True:
+            x, y = dataset(1, self.position)[0]
+            self.position += 1
+            yield x, y
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = state["position"]
+
+
+class Replaying(torch.utils.data.IterableDataset):
+    """A rank's own stream without a state, the same 24 examples on every pass."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def __iter__(self):
+        return iter(dataset(24, 100 + self.rank))
+
+
+def streams(model: nn.Module, state: ft.TrainState, directory: str, out: dict) -> None:
+    """Each rank's stream resumed in fit: a stateful feed that moved on since (its state, per rank, brings
+    it back) and a stream that replays itself (checked, per rank: no warning), against straight runs."""
+    import warnings
+
+    rank = distributed.rank()
+    reducer = distributed.gradient_reducer(model=model)
+    step = ft.jit(ft.make_train_step(model, loss_fn(), gradient_reducer=reducer), compile=False)
+
+    def run(data: object, max_steps: int, folder: str | None = None) -> ft.TrainState:
+        result = ft.fit(
+            state, step, data, batch_size=PER_RANK_BATCH, max_steps=max_steps, progress_bar=False,
+            checkpoints=folder, save_every=3 if folder else None, resume_from_checkpoint=folder is not None,
+        )  # fmt: skip
+        distributed.barrier()  # rank 0's last checkpoint is written before any rank looks for it
+        return result.state
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for name, make, moved in (
+            ("stateful", lambda: Feed(1000 * rank), lambda: Feed(1000 * rank + 500)),
+            ("replaying", lambda: Replaying(rank), lambda: Replaying(rank)),
+        ):
+            folder = os.path.join(directory, name)
+            straight = run(make(), 11)  # 6 batches a pass of the replaying stream: into the second
+            run(make(), 8, folder)
+            resumed = run(moved(), 11, folder)
+            out[name] = (straight.params, resumed.params)
+    out["resume_warnings"] = [str(w.message) for w in caught if issubclass(w.category, ft.data.ResumeWarning)]
 
 
 def evaluation(model: nn.Module, state: ft.TrainState, batch_size: int) -> dict[str, float]:
@@ -163,6 +227,8 @@ def main(mode: str, out_dir: str) -> None:
                 for batch in data.epoch(0):
                     s, metrics = step(s, batch)
                 out["padded" if pad_last else "unpadded"] = (s.params, metrics["loss"])
+        elif mode == "streams":
+            streams(model, state, ckpt, out)
         else:
             raise SystemExit(f"unknown mode {mode!r}")
         torch.save(out, os.path.join(out_dir, f"{mode}_rank{env.rank}.pt"))

@@ -167,3 +167,12 @@ def test_compiled_step_all_reduces_in_one_graph(tmp_path: str) -> None:
     _assert_close(r0["compiled"], r0["eager"], atol=1e-5)
     for k in r0["compiled"]:  # bitwise: both ranks run the same graph on the same all-reduced gradients
         assert torch.equal(r0["compiled"][k], r1["compiled"][k])
+
+
+def test_each_ranks_stream_resumes_exactly_from_its_own_state_or_checked_replay(tmp_path) -> None:
+    results = _torchrun("streams", str(tmp_path))
+    for out in results:
+        for name in ("stateful", "replaying"):
+            straight, resumed = out[name]
+            assert all(torch.equal(straight[k], resumed[k]) for k in straight), (out["rank"], name)
+        assert out["resume_warnings"] == [], out["rank"]

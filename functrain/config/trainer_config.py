@@ -198,7 +198,17 @@ class TrainerConfig(ConfigSection):
         32, doc="Training samples per batch (per micro-batch with accumulation).", minimum=1
     )
     eval_batch_size: int | None = option(None, doc="Evaluation batch size; null uses batch_size.", minimum=1)
-    shuffle: bool = option(True, doc="Reshuffle the training data each epoch (a new order per epoch).")
+    shuffle: bool | Literal["auto"] = option(
+        "auto",
+        doc="Reshuffle the training data each epoch. 'auto': a map-style dataset gets a new permutation each "
+        "epoch, a stream (IterableDataset, HF streaming) is read in its own order; true also shuffles a "
+        "stream, through a buffer of shuffle_buffer_size examples.",
+    )
+    shuffle_buffer_size: int = option(
+        1000,
+        doc="Examples in the seeded buffer that shuffles a stream (with shuffle: true); more mix further.",
+        minimum=1,
+    )
     drop_last: bool = option(False, doc="Drop the last incomplete training batch of each epoch.")
     pad_eval_batches: bool = option(
         True, doc="Pad a short evaluation/prediction batch to the batch size, masked: one compile."

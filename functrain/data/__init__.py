@@ -18,7 +18,8 @@ from functrain.data.order import epoch_order, shard_batches
 from functrain.data.padding import MaskedBatch, pad_batch, trim, unmask
 from functrain.data.position import DataPosition, num_batches, num_steps
 from functrain.data.prefetch import Prefetcher, prefetch_to_device
-from functrain.data.sources import ResumeWarning
+from functrain.data.shuffle_buffer import ShuffleBuffer
+from functrain.data.sources import ResumeWarning, is_stream
 from functrain.data.transfer import pin_memory, to_device
 
 __all__ = [
@@ -28,10 +29,12 @@ __all__ = [
     "MaskedBatch",
     "Prefetcher",
     "ResumeWarning",
+    "ShuffleBuffer",
     "as_loader",
     "collate",
     "empty_batch",
     "epoch_order",
+    "is_stream",
     "num_batches",
     "num_examples",
     "num_steps",

@@ -17,6 +17,7 @@ import torch
 
 from functrain import distributed
 from functrain.data.loader import Loader
+from functrain.data.sources import is_stream
 
 __all__ = ["as_loader"]
 
@@ -39,8 +40,8 @@ def as_loader(
     of the same per-epoch permutation when ``shard`` (``batch_size`` is per rank). ``options`` are the
     dataset Loader's own arguments (``drop_last``, ``collate_fn``, ``num_workers``, ``pin_memory``,
     ``device``: the Trainer's config), used as they are; without them, on CUDA the host batches are pinned
-    and copied without blocking, ahead of the step, by the Loader's prefetch thread, and an iterable dataset
-    is read in its own order.
+    and copied without blocking, ahead of the step, by the Loader's prefetch thread, and a stream (an
+    iterable dataset) is read in its own order.
 
     Example:
         >>> len(as_loader([1, 2, 3], 2, what="evaluate", shuffle=False))
@@ -59,6 +60,6 @@ def as_loader(
     if options is not None:
         return Loader(data, batch_size, key=key, shuffle=shuffle, **ranks, **options)
     pin = device is not None and device.type == "cuda"
-    if isinstance(data, torch.utils.data.IterableDataset):
-        return Loader(data, batch_size, pin_memory=pin, device=device)
+    if is_stream(data):  # read in its own order; the key seeds its workers
+        return Loader(data, batch_size, key=key, pin_memory=pin, device=device)
     return Loader(data, batch_size, key=key, shuffle=shuffle, pin_memory=pin, device=device, **ranks)

@@ -24,14 +24,15 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
 from functrain import random
 from functrain.data.notes import add_note
 from functrain.data.padding import pad_batch
 from functrain.data.position import DataPosition
 from functrain.data.prefetch import Prefetcher
-from functrain.data.sources import DataLoaderSource, IterableSource, MapSource
+from functrain.data.sources import DataLoaderSource, IterableSource, MapSource, is_stream
+from functrain.data.stream_state import fingerprint, warn_not_replayed
 from functrain.data.transfer import to_device
 from functrain.data.workers import WorkerOptions
 
@@ -52,11 +53,18 @@ class Loader:
       rank's last batch can be smaller or **empty** (zero examples, same structure; see
       :func:`~functrain.data.empty_batch` and :func:`~functrain.data.num_examples`) and no example is
       dropped or repeated. Weight metrics and losses by example count, not by batch.
-    - an **iterable dataset** (``torch.utils.data.IterableDataset``): read in its own order, no
-      shuffling, one rank; ``set_epoch(epoch)`` is called on it when it has one. Resume **skips**
-      ``index`` batches of a fresh pass (loads and discards them): exact only if each pass repeats.
+    - a **stream** (a ``torch.utils.data.IterableDataset``, or anything iterable without
+      ``__getitem__``: Hugging Face's streaming datasets): read in its own order (``shuffle`` defaults
+      to false), one rank; ``set_epoch(epoch)`` is called on it when it has one. ``shuffle=True`` with
+      ``shuffle_buffer=N`` reads it through a buffer of ``N`` examples shuffled by ``(key, epoch)``
+      (:mod:`functrain.data.shuffle_buffer`). A stream with ``state_dict()``/``load_state_dict()``
+      (read without workers or buffer) resumes from its own state, saved by ``fit`` with the loop's;
+      any other resume **skips** ``index`` batches of a fresh pass (loads and discards them), exact only
+      if each pass repeats — ``fit`` checks that and warns where it does not
+      (:mod:`functrain.data.stream_state`).
     - an existing **``torch.utils.data.DataLoader``**, used as it is (give no batching arguments).
-      Resume skips ``index`` batches; ``set_epoch`` is called on its sampler when it has one. A
+      A stateful one (torchdata's ``StatefulDataLoader``) resumes from its state, saved by ``fit``;
+      any other resume skips ``index`` batches; ``set_epoch`` is called on its sampler when it has one. A
       :class:`~functrain.data.ResumeWarning` is raised when a resume (a start past epoch 0, batch 0)
       cannot reproduce its order (e.g. a ``RandomSampler`` without a generator); a run from the start
       does not warn. ``exact_resume`` tells which case applies.
@@ -111,6 +119,7 @@ class Loader:
         rank: int = 0,
         world_size: int = 1,
         pad_last: bool = False,
+        shuffle_buffer: int | None = None,
     ) -> None:
         _check_int("num_workers", num_workers, minimum=0)
         if prefetch_factor is not None:
@@ -124,6 +133,8 @@ class Loader:
         _check_int("prefetch", prefetch, minimum=0)
         _check_int("world_size", world_size, minimum=1)
         _check_int("rank", rank, minimum=0)
+        if shuffle_buffer is not None:
+            _check_int("shuffle_buffer", shuffle_buffer, minimum=1)
         if rank >= world_size:
             raise ValueError(f"Loader: rank must be < world_size={world_size}, got rank={rank}")
         if key is not None and not random.is_key(key):
@@ -152,6 +163,7 @@ class Loader:
                 "pin_memory": pin_memory,
                 "rank/world_size": world_size != 1,
                 "pad_last": pad_last,
+                "shuffle_buffer": shuffle_buffer is not None,
             }
             if any(given.values()):
                 names = ", ".join(name for name, is_given in given.items() if is_given)
@@ -173,14 +185,15 @@ class Loader:
             )
         _check_int("batch_size", batch_size, minimum=1)
         workers = WorkerOptions(num_workers, bool(persistent_workers), prefetch_factor, worker_init_fn)
-        if isinstance(data, IterableDataset) or (
-            hasattr(data, "__iter__") and not hasattr(data, "__getitem__")
-        ):
-            if shuffle:
+        if is_stream(data):
+            if shuffle and not shuffle_buffer:
                 raise ValueError(
-                    "Loader: shuffle=True is not possible for an iterable dataset, which is read in its own "
-                    "order; shuffle inside the dataset (per epoch, via set_epoch) or use a map-style dataset"
+                    f"Loader: shuffle=True on a stream ({type(data).__name__}: an iterable dataset, read in "
+                    "its own order) needs shuffle_buffer=N, a buffer of N examples shuffled by key and "
+                    "epoch (TrainerConfig.shuffle_buffer_size); or pass shuffle=False"
                 )
+            if shuffle and key is None:
+                raise ValueError("Loader: a shuffle buffer needs key= (e.g. functrain.random.key(0))")
             if world_size != 1:
                 raise ValueError(
                     "Loader: an iterable dataset cannot be sharded by Loader (world_size > 1); have the "
@@ -194,6 +207,7 @@ class Loader:
                 workers=workers,
                 pin_memory=pin_memory,
                 key=key,
+                shuffle_buffer=shuffle_buffer if shuffle else None,
             )
             return
 
@@ -201,6 +215,11 @@ class Loader:
             raise TypeError(
                 f"Loader: data must be a map-style dataset (__len__ and __getitem__), an IterableDataset or "
                 f"a DataLoader, got {type(data).__name__}"
+            )
+        if shuffle_buffer is not None:
+            raise ValueError(
+                "Loader: shuffle_buffer is for streams (iterable datasets); a map-style dataset is permuted "
+                "whole every epoch (shuffle=True)"
             )
         shuffle = True if shuffle is None else shuffle
         if shuffle and key is None:
@@ -259,6 +278,42 @@ class Loader:
         """True when resuming at any position reproduces the uninterrupted run's batches exactly."""
         return self._source.exact_resume
 
+    @property
+    def is_stream(self) -> bool:
+        """True for a stream (an iterable dataset), read in its own order (see the class docstring)."""
+        return isinstance(self._source, IterableSource)
+
+    @property
+    def is_stateful(self) -> bool:
+        """True when the data keeps its own position (``state_dict()``/``load_state_dict()``: a torchdata
+        ``StatefulDataLoader``, a stream read without workers or buffer), which ``fit`` saves and restores."""
+        return getattr(self._source, "stream_state", None) is not None
+
+    def check_replay(self, batch: Any, expected: str, epoch: int, index: int) -> None:
+        """Warn (:class:`~functrain.data.ResumeWarning`) when ``batch``, batch ``index`` of ``epoch`` read
+        again by a resume, is not the one the interrupted run trained on (``expected``: its
+        :func:`~functrain.data.stream_state.fingerprint`): the stream does not replay itself."""
+        if fingerprint(batch) != expected:
+            warn_not_replayed(type(getattr(self._source, "dataset", self._source)).__name__, epoch, index)
+
+    def stream_state(self, position: DataPosition) -> Any:
+        """A stateful stream's ``state_dict()`` once the batch ending at ``position`` was read (``None``
+        for other data, or when it is no longer kept): what ``fit`` saves with the loop's state."""
+        kept = getattr(self._source, "stream_state", None)
+        return None if kept is None else kept.at(*position.as_tuple())
+
+    def restore_stream(self, position: DataPosition, state: Any) -> None:
+        """Have a stateful stream load ``state`` (from :meth:`stream_state`) when it is next read from
+        ``position``, instead of skipping the batches before it. A stateful DataLoader's state at an epoch's
+        end is loaded before the next epoch (it carries its sampler there); a stream's next epoch starts
+        afresh (``set_epoch``)."""
+        kept = getattr(self._source, "stream_state", None)
+        if kept is None:
+            return
+        if isinstance(self._source, DataLoaderSource) and self.batches_per_epoch is not None:
+            position = position.normalized(self.batches_per_epoch)
+        kept.restore_at(*position.as_tuple(), state)
+
     def batch_indices(self, epoch: int) -> list[list[int]]:
         """This rank's batches of ``epoch`` as dataset indices (map-style datasets only).
 
@@ -269,6 +324,27 @@ class Loader:
         if not isinstance(self._source, MapSource):
             raise TypeError("Loader.batch_indices: only a map-style dataset has batches known by index")
         return self._source.batch_indices(epoch)
+
+    @property
+    def key(self) -> torch.Tensor | None:
+        """The key that orders this loader's epochs and seeds its workers (``None`` for a DataLoader)."""
+        return getattr(self._source, "key", None)
+
+    def with_key(self, key: torch.Tensor) -> Loader:
+        """This loader with its epochs ordered by ``key``: a shallow copy sharing the data (a resumed run
+        orders its data by the checkpoint's key, whatever key the new run was built with).
+
+        Example:
+            >>> rekeyed = Loader(list(range(8)), 4, key=random.key(0)).with_key(random.key(1))
+            >>> rekeyed.batch_indices(0) == Loader(list(range(8)), 4, key=random.key(1)).batch_indices(0)
+            True
+        """
+        if not hasattr(self._source, "key"):
+            raise TypeError("Loader.with_key: a DataLoader brings its own order; it has no key to set")
+        keyed = copy.copy(self)
+        keyed._source = copy.copy(self._source)
+        keyed._source.key = key
+        return keyed
 
     def to(self, device: str | torch.device | None) -> Loader:
         """This loader with its batches moved to ``device``: a shallow copy sharing the data and its order.

@@ -2,7 +2,8 @@
 
 Exact resume is arithmetic. A position is ``(epoch, index)``: ``index`` batches of ``epoch`` have been
 consumed. Every epoch's order is a function of ``(key, epoch)`` (see :mod:`functrain.data.order`), so a
-loader seeks straight to a position without replaying the batches before it.
+loader seeks straight to a position without replaying the batches before it. A stream cannot seek: it
+resumes from its own saved state or by a replay that is checked (:mod:`functrain.data.stream_state`).
 
 Example:
     >>> from functrain.data import DataPosition, num_batches

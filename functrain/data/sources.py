@@ -4,11 +4,15 @@ Three kinds of data, three ways to seek:
 
 - :class:`MapSource` (``__len__`` + ``__getitem__``): exact and arithmetic. The epoch's batches are
   index lists computed by :mod:`functrain.data.order`; starting at batch ``i`` loads nothing before it.
-- :class:`IterableSource` (``torch.utils.data.IterableDataset``): no shuffling; resume *skips* ``i``
-  batches of a fresh pass (they are loaded and collated, then discarded). Exact only when the dataset
-  yields the same examples in the same order on every pass of the same epoch.
-- :class:`DataLoaderSource` (an existing ``torch.utils.data.DataLoader``, as it is): resume skips ``i``
-  batches too, and is exact only if the loader's order depends on nothing but the epoch.
+- :class:`IterableSource` (a stream: ``torch.utils.data.IterableDataset``, or anything iterable without
+  ``__getitem__``, as Hugging Face's streaming datasets): read in its own order, or through a seeded
+  :class:`~functrain.data.shuffle_buffer.ShuffleBuffer`. A stream with ``state_dict()``/
+  ``load_state_dict()`` read in the main process resumes from its saved state; any other *skips* ``i``
+  batches of a fresh pass (loaded and collated, then discarded), exact only when the stream yields the same
+  examples in the same order on every pass of the same epoch (checked: :mod:`functrain.data.stream_state`).
+- :class:`DataLoaderSource` (an existing ``torch.utils.data.DataLoader``, as it is): a stateful one
+  (torchdata's ``StatefulDataLoader``) resumes from its saved state; any other skips ``i`` batches too, and
+  is exact only if the loader's order depends on nothing but the epoch.
 
 All of them hand index lists or datasets to ``torch.utils.data.DataLoader`` for worker processes and
 pinned memory rather than managing processes themselves.
@@ -29,13 +33,36 @@ from functrain.data.collate import collate, empty_batch
 from functrain.data.notes import add_note
 from functrain.data.order import epoch_order, shard_batches
 from functrain.data.position import num_batches
+from functrain.data.shuffle_buffer import ShuffleBuffer
+from functrain.data.stream_state import ResumeWarning, StreamState, is_stateful
 from functrain.data.workers import BatchRunner, WorkerOptions
 
-__all__ = ["DataLoaderSource", "IterableSource", "MapSource", "ResumeWarning"]
+__all__ = ["DataLoaderSource", "IterableSource", "MapSource", "ResumeWarning", "is_stream"]
 
 
-class ResumeWarning(UserWarning):
-    """Resuming this data in the middle of an epoch may not reproduce the uninterrupted run."""
+def is_stream(data: Any) -> bool:
+    """Whether ``data`` is read as a stream (in its own order, without random access): an
+    ``IterableDataset``, or anything iterable without ``__getitem__`` (Hugging Face's streaming datasets).
+
+    Example:
+        >>> is_stream([1, 2]), is_stream(iter([1, 2])), is_stream(torch.utils.data.DataLoader([1]))
+        (False, True, False)
+    """
+    if isinstance(data, DataLoader):
+        return False
+    return isinstance(data, IterableDataset) or (
+        hasattr(data, "__iter__") and not hasattr(data, "__getitem__")
+    )
+
+
+def _recorded(batches: Any, state: StreamState | None, epoch: int, start_index: int) -> Iterator[Any]:
+    """``batches`` as they are, the stream's state kept after each one (when it has one)."""
+    if state is None:
+        yield from batches
+        return
+    for index, batch in enumerate(batches, start=start_index + 1):
+        state.record(epoch, index)
+        yield batch
 
 
 def _worker_generator(key: torch.Tensor | None, epoch: int, start_index: int) -> torch.Generator:
@@ -156,9 +183,9 @@ class MapSource:
 
 
 class IterableSource:
-    """Batches of an iterable dataset, in its own order; resume skips batches (not arithmetic)."""
-
-    exact_resume = False
+    """Batches of a stream, in its own order or through a seeded shuffle buffer of ``shuffle_buffer``
+    examples; resume loads the stream's own state where it has one (and no buffer, no workers: their
+    examples in flight are in no state), else skips batches (not arithmetic)."""
 
     def __init__(
         self,
@@ -170,9 +197,14 @@ class IterableSource:
         workers: WorkerOptions,
         pin_memory: bool,
         key: torch.Tensor | None,
+        shuffle_buffer: int | None = None,
     ) -> None:
         self.dataset = dataset
         self.key = key
+        self.shuffle_buffer = shuffle_buffer
+        stateful = is_stateful(dataset) and not shuffle_buffer and workers.num_workers == 0
+        self.stream_state = StreamState(dataset) if stateful else None
+        self.exact_resume = stateful
         self._loader_args = dict(
             batch_size=batch_size,
             drop_last=drop_last,
@@ -198,10 +230,23 @@ class IterableSource:
     def batches(self, epoch: int, start_index: int) -> Iterator[Any]:
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(epoch)
-        loader = DataLoader(
-            self.dataset, generator=_worker_generator(self.key, epoch, 0), **self._loader_args
-        )
-        yield from itertools.islice(loader, start_index, None)
+        restored = self.stream_state is not None and self.stream_state.resume(epoch, start_index)
+        stream = self.dataset if isinstance(self.dataset, IterableDataset) else _Stream(self.dataset)
+        if self.shuffle_buffer:
+            stream = ShuffleBuffer(self.dataset, self.shuffle_buffer, self.key, epoch)
+        loader = DataLoader(stream, generator=_worker_generator(self.key, epoch, 0), **self._loader_args)
+        batches = iter(loader) if restored else itertools.islice(loader, start_index, None)
+        yield from _recorded(batches, self.stream_state, epoch, start_index)
+
+
+class _Stream(IterableDataset):
+    """An iterable that is no ``IterableDataset`` (a duck-typed stream), as the DataLoader reads a stream."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.stream)
 
 
 class DataLoaderSource:
@@ -217,6 +262,7 @@ class DataLoaderSource:
             self.batches_per_epoch: int | None = len(loader)
         except TypeError:
             self.batches_per_epoch = None
+        self.stream_state = StreamState(loader) if is_stateful(loader) else None
         self.exact_resume, self.inexact_reason = _resume_exactness(loader)
         self._warned = False
 
@@ -247,7 +293,9 @@ class DataLoaderSource:
     def batches(self, epoch: int, start_index: int) -> Iterator[Any]:
         for owner in _epoch_owners(self.loader):
             owner.set_epoch(epoch)
-        yield from itertools.islice(self.loader, start_index, None)
+        restored = self.stream_state is not None and self.stream_state.resume(epoch, start_index)
+        batches = iter(self.loader) if restored else itertools.islice(self.loader, start_index, None)
+        yield from _recorded(batches, self.stream_state, epoch, start_index)
 
 
 def _epoch_owners(loader: DataLoader) -> Sequence[Any]:
@@ -259,7 +307,7 @@ def _epoch_owners(loader: DataLoader) -> Sequence[Any]:
 
 
 def _resume_exactness(loader: DataLoader) -> tuple[bool, str]:
-    if _epoch_owners(loader):
+    if is_stateful(loader) or _epoch_owners(loader):
         return True, ""
     if isinstance(loader.dataset, IterableDataset):
         return False, "it reads an IterableDataset, whose order is its own (it must repeat it each pass)"

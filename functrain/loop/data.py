@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-from functrain import random
+from functrain import distributed, random
 from functrain.data.build import as_loader
 from functrain.data.notes import add_note
 from functrain.ensemble.stacked import run_key
 
-__all__ = ["as_loader", "batch_device", "data_key", "noting_steps", "scalar_dict"]
+__all__ = ["as_loader", "batch_device", "data_key", "gathered", "noting_steps", "scalar_dict"]
 
 _DATA_KEY = 0xDA7A
 
@@ -22,6 +22,20 @@ def data_key(state: Any) -> torch.Tensor:
     """The key that orders a run's training data (shuffling): one function of the run's key, shared by
     ``fit`` and the Trainer so that both feed a run the same batches."""
     return random.fold_in(run_key(state), _DATA_KEY)
+
+
+def gathered(value: Any) -> list[Any]:
+    """``value`` from every rank, by rank (``[value]`` in one process); every rank calls it together.
+
+    Example:
+        >>> gathered({"position": 3})
+        [{'position': 3}]
+    """
+    if not distributed.is_distributed() or distributed.world_size() == 1:
+        return [value]
+    values: list[Any] = [None] * distributed.world_size()
+    torch.distributed.all_gather_object(values, value)  # in memory only: nothing read back from a file
+    return values
 
 
 def batch_device(state: Any) -> torch.device | None:

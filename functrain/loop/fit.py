@@ -54,9 +54,11 @@ def fit(
         state: the initial train state (ignored in favour of the checkpoint when resuming).
         train_step: ``(state, batch) -> (state, metrics)``, usually ``jit(make_train_step(...))``.
         train_data: a :class:`functrain.data.Loader`, a torch ``DataLoader``, or a dataset with
-            ``batch_size`` (shuffled per epoch with a key derived from ``state.rng``). Batches are moved
-            to the state's device (on CUDA: pinned, copied ahead of the step); a ``Loader`` given its own
-            ``device`` keeps it.
+            ``batch_size`` (shuffled per epoch with a key derived from ``state.rng``; a stream, such as an
+            ``IterableDataset``, read in its own order). Batches are moved to the state's device (on CUDA:
+            pinned, copied ahead of the step); a ``Loader`` given its own ``device`` keeps it. A resume
+            reads the data in the checkpoint's order (its key, whatever ``state`` was made with), and a
+            stream from its saved state or by a checked replay (:mod:`functrain.loop.data_resume`).
         eval_step, eval_data, eval_batch_size: evaluation (``make_eval_step``) and its data.
         epochs, max_steps: the run's length, counted from step 0 (at least one; the run ends at
             whichever comes first). They count the *whole* run, not more of it, so the same call resumes

@@ -31,6 +31,7 @@ from functrain.ensemble.stacked import run_step
 from functrain.logging import History
 from functrain.logging.writer import as_writer
 from functrain.loop.data import as_loader, batch_device, data_key, noting_steps
+from functrain.loop.data_resume import DataResume
 from functrain.loop.evaluate import evaluate
 from functrain.loop.events import Events, callback_names
 from functrain.loop.length import RunLength
@@ -79,6 +80,7 @@ class Run:
         self._batches: Any = None
         self._index = 0
         self._next: DataPosition = self.position
+        self.data = DataResume(loader)  # what checkpoints keep of the data besides its position
 
     # ------------------------------------------------------------------------------ open and resume
 
@@ -212,6 +214,7 @@ class Run:
         self.ctx.history = self.history
         self.window = Window.from_json(saved["window"], state.params, self.naming)
         self.finished = str(saved.get("finished", ""))
+        self.loader = self.data.restore(saved, self.position)
         return state
 
     def begin(self, state: Any) -> Any:
@@ -231,13 +234,18 @@ class Run:
         do); the loop's position advances with each step."""
         if self.nothing_to_do:
             return iter(())
-        stream = self.loader.iterate(self.position, num_epochs=self.num_epochs)
+        start, check = self.data.start(self.position)  # a replayed stream: one batch early, checked
+        stream = self.loader.iterate(start, num_epochs=self.num_epochs)
         self._stream = noting_steps(stream, lambda: self.step + 1)
-        self._batches = self._arriving(self._stream)
+        self._batches = self._arriving(self._stream, check)
         return self._batches
 
-    def _arriving(self, stream: Iterator[Any]) -> Iterator[Any]:
+    def _arriving(self, stream: Iterator[Any], check: str) -> Iterator[Any]:
         for position, batch in stream:
+            if check:
+                self.loader.check_replay(batch, check, *self.position.as_tuple())
+                check = ""
+                continue
             self._next = position
             yield batch
 
@@ -250,6 +258,7 @@ class Run:
         if index == 1:
             state = self.events("epoch_begin", state, ctx)
         ctx.batch = batch
+        self.data.saw(batch)
         state = self.events("step_begin", state, ctx)
         ctx.previous_state = None if self.donated else state
         return state
@@ -338,6 +347,7 @@ class Run:
             history=json.dumps(self.history.as_dict()),
             window=self.window.to_json(),
             finished=self.finished,
+            **self.data.fields(self.position),
         )
         tied = getattr(state, "tied", ())
         metadata = {"tied_parameters": dict(tied)} if tied else {}

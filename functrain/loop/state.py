@@ -19,7 +19,12 @@ class LoopState:
     ``position``: where the data stream stands; ``callbacks``: each callback's ``state_dict()`` by name;
     ``history``: the logged scalars (JSON); ``window``: the running sums of the current logging window
     (JSON), so a resumed run logs the same averages; ``finished``: why the run ended for good (a final
-    stop request such as early stopping), ``""`` while it may go on.
+    stop request such as early stopping), ``""`` while it may go on; ``data_key``: the key that orders the
+    training data (the loader's), so a resumed run sees the interrupted run's order whatever state it was
+    started from; for a stream, by rank (:mod:`functrain.loop.data_resume`): ``data_states``, its
+    ``state_dict()`` at ``position`` (a torchdata ``StatefulDataLoader``, a Hugging Face streaming dataset),
+    or ``None``, and then ``batch_fingerprints``, the digest of the last batch trained on, which a resume
+    compares with the replayed stream's.
     """
 
     position: DataPosition
@@ -27,6 +32,9 @@ class LoopState:
     history: str
     window: str
     finished: str = ""
+    data_key: Any = None
+    data_states: list[Any] | None = None
+    batch_fingerprints: list[str] | None = None
 
 
 class RunFinishedWarning(UserWarning):

@@ -280,6 +280,8 @@ def loader(
 ) -> data.Loader:
     """A Loader over ``dataset`` with the config's data settings; ``key`` given: the training order
     (``shuffle``, ``drop_last``), else evaluation's (in order, every example). Each rank reads its slice.
+    ``shuffle: auto`` permutes a map-style dataset and reads a stream in its own order; ``shuffle: true``
+    reads a stream through a shuffle buffer of ``shuffle_buffer_size`` examples.
 
     Example:
         >>> len(loader(TrainerConfig(max_steps=1), list(range(10)), 4, key=None, device=torch.device("cpu")))
@@ -297,7 +299,10 @@ def loader(
     }
     if pad_last:  # training's opt-in (pad_train_batches): a short last batch padded with a mask
         options["pad_last"] = True
-    shuffle = config.shuffle if train else False
+    stream = data.is_stream(dataset)
+    shuffle = train and (config.shuffle is True or (config.shuffle == "auto" and not stream))
+    if shuffle and stream:
+        options["shuffle_buffer"] = config.shuffle_buffer_size
     return data.as_loader(dataset, batch_size, key, "Trainer", shuffle=shuffle, shard=True, options=options)
 
 
