@@ -9,8 +9,9 @@ all scalars) and at evaluations.
 The package, one concept a module:
 
 - :mod:`~functrain.loop.fit`: ``fit``, the loop itself (a dozen lines around the step);
-- :mod:`~functrain.loop.run`: :class:`Run`, the host side of one ``fit`` call (checks, resume, context,
-  the periodic log/eval/save);
+- :mod:`~functrain.loop.options`: :class:`FitOptions`, what ``fit`` was asked, checked once;
+- :mod:`~functrain.loop.run`: :class:`Run`, the host side of one ``fit`` call, made ready by ``Run.start``
+  (checks, resume, ``train_begin``): the context, where the run stands, the periodic log/eval/save;
 - :mod:`~functrain.loop.length`: :class:`RunLength`, the four ways to say how long;
 - :mod:`~functrain.loop.schedule`: :class:`Every`, when periodic work is due;
 - :mod:`~functrain.loop.evaluate`: ``evaluate`` and ``predict``;
@@ -34,12 +35,14 @@ from functrain.loop.data import data_key
 from functrain.loop.evaluate import evaluate, predict
 from functrain.loop.fit import fit
 from functrain.loop.length import RunLength
+from functrain.loop.options import FitOptions
 from functrain.loop.run import Run
 from functrain.loop.schedule import Every
 from functrain.loop.state import FitResult, LoopState, RunFinishedWarning
 
 __all__ = [
     "Every",
+    "FitOptions",
     "FitResult",
     "LoopState",
     "Run",

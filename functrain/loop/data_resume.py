@@ -77,7 +77,7 @@ class DataResume:
                 f"{world}: each rank's stream is read again from the start of the epoch and the batches "
                 f"trained on are skipped, unchecked. Resume on {len(states)} ranks for an exact resume",
                 ResumeWarning,
-                stacklevel=4,
+                stacklevel=3,  # at fit
             )
         elif states[rank] is not None:  # a stateful stream continues from its own state
             self.loader.restore_stream(position, states[rank])

@@ -1,7 +1,8 @@
 """``fit``: fold a compiled train step over the batches, the host work done by a :class:`Run`.
 
 The loop: the batches, the step, and the :class:`Run` before and after it
-(callbacks, logging, evaluation and checkpoints when due). The package's docstring has a runnable example.
+(callbacks, logging, evaluation and checkpoints when due). ``fit``'s parameters become one checked
+:class:`~functrain.loop.options.FitOptions`. The package's docstring has a runnable example.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from functrain._deprecated import renamed_argument
 from functrain.callbacks.base import Callback
 from functrain.logging import History
 from functrain.loop.length import RunLength
+from functrain.loop.options import FitOptions
 from functrain.loop.run import Run
 from functrain.loop.state import FitResult
 
@@ -104,26 +106,23 @@ def fit(
     resume_from_checkpoint = renamed_argument(
         "fit", "resume", resume, "resume_from_checkpoint", resume_from_checkpoint, default=False
     )
-    length = RunLength(epochs, max_steps, additional_epochs, additional_steps)
-    run = Run.open(
-        state,
-        train_step,
-        train_data,
-        length,
+    options = FitOptions(
+        RunLength(epochs, max_steps, additional_epochs, additional_steps),
+        batch_size=batch_size,
         eval_step=eval_step,
         eval_data=eval_data,
-        batch_size=batch_size,
         eval_batch_size=eval_batch_size,
         eval_every=eval_every,
-        log_steps=log_steps,
         save_every=save_every,
-        callbacks=callbacks,
-        loggers=loggers,
-        checkpoints=checkpoints,
+        log_steps=log_steps,
+        resume=resume_from_checkpoint,
         progress_bar=progress_bar,
+        callbacks=tuple(callbacks),
+        loggers=tuple(loggers),
+        checkpoints=checkpoints,
         history=history,
     )
-    state = run.begin(run.resume(state, resume_from_checkpoint))
+    run, state = Run.start(state, train_step, train_data, options)  # checked, resumed; train_begin fired
     try:
         for batch in run.batches():
             state = run.before_step(state, batch)  # epoch_begin, step_begin

@@ -1,122 +1,120 @@
 """A :class:`Run`: everything around ``fit``'s loop that is not the step.
 
-It checks the arguments, opens the loader, resumes (the state, the data position, the callbacks, the
-history), keeps the context the callbacks read, and does the periodic work when it is due: log, evaluate,
-save (:class:`~functrain.loop.schedule.Every`). ``fit`` itself is the loop::
+:meth:`Run.start` checks the arguments, opens the loader, resumes (the state, the data position, the
+callbacks, the history) and fires ``train_begin``: the run it returns is ready, so nothing can be done out of
+order. The run keeps the context the callbacks read and does the periodic work when it is due: log,
+evaluate, save (:class:`~functrain.loop.schedule.Every`). ``fit`` itself is the loop::
 
-    run = Run.open(state, train_step, train_data, ...)
-    state = run.begin(run.resume(state))
+    run, state = Run.start(state, train_step, train_data, options)
     for batch in run.batches():
         state = run.before_step(state, batch)
         state, metrics = train_step(state, batch)
         state = run.after_step(state, metrics)
         ...
     return run.finish(state)
+
+Its fields are three small records besides the step and the logs: what ``fit`` was asked
+(:class:`~functrain.loop.options.FitOptions`), what the run talks to (:class:`Services`) and where it stands
+(:class:`Progress`, the one place of the step count).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import json
 import os
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Generator, Iterator
+from typing import TYPE_CHECKING, Any
 
 from functrain import distributed
 from functrain.callbacks.base import Callback, Context
 from functrain.checkpoint.onto import restore_onto
-from functrain.data import DataPosition
+from functrain.data import DataPosition, Loader
 from functrain.ensemble.stacked import run_step
 from functrain.logging import History
-from functrain.logging.writer import as_writer
+from functrain.logging.writer import WriterBase, as_writer
 from functrain.loop.data import as_loader, batch_device, data_key, noting_steps
 from functrain.loop.data_resume import DataResume
 from functrain.loop.evaluate import evaluate
 from functrain.loop.events import Events, callback_names
-from functrain.loop.length import RunLength
-from functrain.loop.schedule import Every
+from functrain.loop.options import FitOptions
 from functrain.loop.state import FitResult, LoopState, RunFinishedWarning
 from functrain.loop.window import Window
 from functrain.step import spec_of
 
-__all__ = ["Run"]
+if TYPE_CHECKING:
+    from functrain.callbacks.progress import ProgressBar
+    from functrain.step import StepSpec
+
+__all__ = ["Phase", "Progress", "Run", "Services"]
 
 
-class Run:
-    """One ``fit`` call's host side. Made by :meth:`open` (which checks everything before any step);
-    ``resume``, ``begin``, then per batch ``before_step``/``after_step`` and the due work; ``finish``."""
+class Phase(enum.Enum):
+    """Where a ``fit`` call stands: training, stopping after this step, or idle (the run had ended before
+    this call: a :class:`RunFinishedWarning` said why, and no step is taken)."""
 
-    def __init__(self, train_step: Callable[..., Any], loader: Any, length: RunLength, **fields: Any) -> None:
-        self.train_step, self.loader, self.length = train_step, loader, length
-        self.spec = spec_of(train_step)
-        self.eval_step: Any = fields["eval_step"]
-        self.eval_data, self.eval_batch_size = fields["eval_data"], fields["eval_batch_size"]
-        self.log_steps: int = fields["log_steps"]
-        self.eval_every: Every = fields["eval_every"]
-        self.save_every: Every = fields["save_every"]
-        self.callbacks: list[Callback] = fields["callbacks"]
-        self.loggers = fields["loggers"]
-        self.manager = fields["manager"]
-        self.auto_bar = fields["auto_bar"]
-        self.names = callback_names(self.callbacks)
-        self.events = Events(self.callbacks)
-        self.history: History = fields["history"]
-        self.bpe: int | None = loader.batches_per_epoch
-        self.naming = self.spec.naming(fields["state"])
-        self.window = Window(self.naming)
-        self.position = DataPosition()
-        self.ctx = Context(batches_per_epoch=self.bpe, log_steps=self.log_steps, history=self.history)
-        jit = sys.modules.get("functrain.jit")  # loaded wherever a step is a CompiledStep
-        compiled = jit.CompiledStep if jit is not None else ()
-        self.compiled = [s for s in (train_step, self.eval_step) if isinstance(s, compiled)]
-        self.donated = bool(self.compiled) and self.compiled[0] is train_step and train_step.donate
-        self.finished = ""  # why the run ended for good: recorded in its checkpoints
-        self.restored_path: str | None = None
-        self.nothing_to_do = ""
-        self.stop_reason = ""
-        self.stopping = False
-        self._stream: Any = None
-        self._batches: Any = None
-        self._index = 0
-        self._next: DataPosition = self.position
-        self.data = DataResume(loader)  # what checkpoints keep of the data besides its position
+    TRAINING = "training"
+    STOPPING = "stopping"
+    IDLE = "idle"
 
-    # ------------------------------------------------------------------------------ open and resume
+
+@dataclasses.dataclass
+class Progress:
+    """Where the run stands: the one step count, the data position, this call's end and why it stops.
+
+    ``step``: optimizer steps done (the callbacks' ``Context.step`` is a copy, set with it); ``position``:
+    where the data stream stands after them; ``arriving``: where it will stand once the batch in hand is
+    trained on; ``total``: the step this call ends at; ``num_epochs``: the epochs the data is read up to
+    (``None``: counted in steps); ``finished``: why the run ended for good (a final stop request: saved, so a
+    resume stays finished), ``None`` while it may go on; ``stop_reason``: why this call stopped early;
+    ``last_saved``: the step saved last in this call (``None``: none yet).
+    """
+
+    step: int
+    position: DataPosition
+    total: int
+    num_epochs: int | None
+    batches_per_epoch: int | None
+    phase: Phase = Phase.TRAINING
+    finished: str | None = None
+    stop_reason: str = ""
+    last_saved: int | None = None
+    arriving: DataPosition = dataclasses.field(default_factory=DataPosition)
+
+
+@dataclasses.dataclass
+class Services:
+    """What a run talks to besides the step: the training data (and its part of a checkpoint), the
+    callbacks (by their checkpoint names; ``bar``: the progress bar ``fit`` added), the writers, the
+    checkpoint manager (``None``: no checkpoints)."""
+
+    data: DataResume
+    callbacks: list[Callback]
+    names: list[str]
+    events: Events
+    loggers: list[WriterBase]
+    manager: Any
+    bar: ProgressBar | None
+
+    @property
+    def loader(self) -> Loader:
+        """The training data (after a resume, ordered by the checkpoint's key)."""
+        return self.data.loader
 
     @classmethod
     def open(
-        cls,
-        state: Any,
-        train_step: Callable[..., Any],
-        train_data: Any,
-        length: RunLength,
-        *,
-        eval_step: Any,
-        eval_data: Any,
-        batch_size: int | None,
-        eval_batch_size: int | None,
-        eval_every: int | str | None,
-        log_steps: int,
-        save_every: int | str | None,
-        callbacks: Iterable[Callback],
-        loggers: Iterable[Any],
-        checkpoints: Any,
-        progress_bar: bool,
-        history: History | None,
-    ) -> Run:
-        """Check the arguments and open the training data: every refusal comes before the first step."""
+        cls, state: Any, train_step: Callable[..., Any], train_data: Any, options: FitOptions
+    ) -> Services:
+        """Open the training data and check it and the step against ``state``; every refusal comes before
+        the first step."""
         from functrain.callbacks.progress import ProgressBar
 
-        if not isinstance(log_steps, int) or isinstance(log_steps, bool) or log_steps < 1:
-            raise ValueError(f"fit: log_steps must be a positive int, got {log_steps!r}")
-        if (eval_step is None) != (eval_data is None):
-            raise ValueError("fit: eval_step and eval_data go together (give both or neither)")
-        evals = Every.parse(eval_every if eval_step is not None else None, "eval_every")
-        saves = Every.parse(save_every, "save_every")
         loader = as_loader(
             train_data,
-            batch_size,
+            options.batch_size,
             data_key(state),
             "fit",
             shuffle=True,
@@ -125,269 +123,332 @@ class Run:
         )
         loader.require_batches("fit")  # before any step: zero steps is never a finished run
         spec_of(train_step).check(state, "fit")
-        if length.counts_epochs and loader.batches_per_epoch is None:
+        if options.length.counts_epochs and loader.batches_per_epoch is None:
             raise ValueError(
                 "fit: the training data has no length, so epochs cannot be counted; use max_steps "
                 "(or additional_steps)"
             )
-        callbacks = list(callbacks)
-        manager = _as_manager(checkpoints, callbacks)
+        callbacks = list(options.callbacks)
+        manager = _as_manager(options.checkpoints, callbacks)
         main = distributed.is_main_process()  # only rank 0 shows progress and writes logs
-        auto_bar = None
-        if progress_bar and main and not any(isinstance(cb, ProgressBar) for cb in callbacks):
-            auto_bar = ProgressBar()
-            callbacks.append(auto_bar)
+        bar = None
+        if options.progress_bar and main and not any(isinstance(cb, ProgressBar) for cb in callbacks):
+            bar = ProgressBar()
+            callbacks.append(bar)
+        loggers = [as_writer(lg) for lg in options.loggers] if main else []
         return cls(
-            train_step,
-            loader,
-            length,
-            state=state,
-            eval_step=eval_step,
-            eval_data=eval_data,
-            eval_batch_size=eval_batch_size or batch_size,
-            log_steps=log_steps,
-            eval_every=evals,
-            save_every=saves,
-            callbacks=callbacks,
-            loggers=[as_writer(lg) for lg in loggers] if main else [],
-            manager=manager,
-            auto_bar=auto_bar,
-            history=history if history is not None else History(),
+            DataResume(loader), callbacks, callback_names(callbacks), Events(callbacks), loggers, manager, bar
         )
 
-    def resume(self, state: Any, resume: bool | int | str) -> Any:
-        """The state to train from: restored (with the loop's own state) from a checkpoint when
-        ``resume`` says so and there is one, else ``state``; then this call's length is resolved."""
-        manager = self.manager
-        resume_file = isinstance(resume, str | os.PathLike) and os.path.isfile(resume)
-        if resume is not False and (manager is not None or resume_file):
-            which = "latest" if resume is True else resume
-            if resume_file or manager.latest() is not None:
-                from functrain.checkpoint import restore
 
-                raw = restore(resume) if resume_file else manager.restore(which)
-                state = self._restore(state, raw)
-                if resume_file:
-                    self.restored_path = os.fspath(resume)
-                else:
-                    step = (
-                        manager.latest()
-                        if which == "latest"
-                        else manager.best()
-                        if which == "best"
-                        else which
-                    )
-                    self.restored_path = manager.path(step)
-        elif resume is not False and manager is None:
-            raise ValueError("fit: resume needs checkpoints=CheckpointManager(...) (or a directory)")
-        self.step = run_step(state)
-        if self.restored_path is None and self.step > 0 and self.bpe is not None:
-            self.position = DataPosition.from_batch_count(self.step, self.bpe)  # continue the stream
-        self.num_epochs, self.total = self.length.resolve(self.bpe, self.step, self.position)
-        self.ctx.step, self.ctx.max_steps = self.step, self.total
-        self.nothing_to_do = self.length.nothing_to_do(self.finished, self.step, self.total, self.bpe)
-        if self.nothing_to_do:
-            warnings.warn(self.nothing_to_do, RunFinishedWarning, stacklevel=3)  # at fit's caller
-            self.events = Events([cb for cb in self.callbacks if cb is not self.auto_bar])
-            self.stop_reason = self.finished
-        elif self.length.extending:
-            self.finished = ""
-        if self.restored_path is not None:
+@dataclasses.dataclass
+class Run:
+    """One ``fit`` call's host side, made ready by :meth:`start`; then per batch ``before_step``/
+    ``after_step`` (the due work in them), ``close`` and ``finish``."""
+
+    train_step: Callable[..., Any]
+    spec: StepSpec
+    options: FitOptions
+    services: Services
+    progress: Progress
+    history: History
+    window: Window
+    ctx: Context
+    restored_path: str | None  # the checkpoint this call resumed from
+    compiled: tuple[Any, ...]  # the compiled steps (train, eval): Context.compiles counts their graphs
+    _batches: Generator[Any, None, None] | None = None
+
+    # ------------------------------------------------------------------------------ start: open and resume
+
+    @classmethod
+    def start(
+        cls, state: Any, train_step: Callable[..., Any], train_data: Any, options: FitOptions
+    ) -> tuple[Run, Any]:
+        """The run, ready, and the state to train from: the arguments checked and the data opened, the state
+        (with the loop's own) restored from a checkpoint when ``options.resume`` says so and there is one,
+        this call's length resolved, ``train_begin`` fired (and ``checkpoint_restored`` after a resume).
+
+        Example:
+            >>> run, state = Run.start(state, train_step, data, FitOptions(RunLength(epochs=1), batch_size=8))
+            >>> run.progress.step, run.progress.phase
+            (0, <Phase.TRAINING: 'training'>)
+        """
+        services = Services.open(state, train_step, train_data, options)
+        spec = spec_of(train_step)
+        naming = spec.naming(state)
+        history = options.history if options.history is not None else History()
+        window, position, finished = Window(naming), DataPosition(), None
+        found = _checkpoint(options.resume, services.manager)
+        restored_path = found[0] if found is not None else None
+        if found is not None:
+            state, saved = restore_onto(state, found[1]["state"]), found[1]["loop"]
+            position = DataPosition(saved["position"]["epoch"], saved["position"]["index"])
+            for n, cb in zip(services.names, services.callbacks):
+                if n in saved["callbacks"]:
+                    cb.load_state_dict(saved["callbacks"][n])
+            history = History.from_dict(json.loads(saved["history"]))
+            window = Window.from_json(saved["window"], state.params, naming)
+            finished = str(saved.get("finished", "")) or None
+            services.data.restore(saved, position)
+        progress = _progress(state, services, options, position, finished, restored_path is not None)
+        ctx = Context(
+            step=progress.step,
+            max_steps=progress.total,
+            batches_per_epoch=progress.batches_per_epoch,
+            log_steps=options.log_steps,
+            history=history,
+        )
+        jit = sys.modules.get("functrain.jit")  # loaded wherever a step is a CompiledStep
+        kind = jit.CompiledStep if jit is not None else ()
+        compiled = tuple(s for s in (train_step, options.eval_step) if isinstance(s, kind))
+        run = cls(
+            train_step, spec, options, services, progress, history, window, ctx, restored_path, compiled
+        )
+        return run, run._begin(state)
+
+    def _begin(self, state: Any) -> Any:
+        """Say what this call resumes (and check it may), then fire ``train_begin`` (and
+        ``checkpoint_restored``)."""
+        step, path = self.progress.step, self.restored_path
+        if path is not None:
             from functrain.checkpoint.file import read_header
 
-            layout = distributed.loader_layout(self.loader)
-            distributed.check_resume(read_header(self.restored_path).metadata, layout)
+            layout = distributed.loader_layout(self.services.loader)
+            distributed.check_resume(read_header(path).metadata, layout)
             if distributed.is_main_process():
-                print(f"resumed from step {self.step} ({self.restored_path})", file=sys.stderr, flush=True)
-        for lg in self.loggers:
-            lg.resume_from(self.step if self.restored_path is not None else None)
-        return state
-
-    def _restore(self, state: Any, raw: Any) -> Any:
-        state = restore_onto(state, raw["state"])
-        saved = raw["loop"]
-        self.position = DataPosition(saved["position"]["epoch"], saved["position"]["index"])
-        for n, cb in zip(self.names, self.callbacks):
-            if n in saved["callbacks"]:
-                cb.load_state_dict(saved["callbacks"][n])
-        self.history = History.from_dict(json.loads(saved["history"]))
-        self.ctx.history = self.history
-        self.window = Window.from_json(saved["window"], state.params, self.naming)
-        self.finished = str(saved.get("finished", ""))
-        self.loader = self.data.restore(saved, self.position)
-        return state
-
-    def begin(self, state: Any) -> Any:
-        """Fire ``train_begin`` (and ``checkpoint_restored`` after a resume)."""
+                print(f"resumed from step {step} ({path})", file=sys.stderr, flush=True)
+        for lg in self.services.loggers:
+            lg.resume_from(step if path is not None else None)
         self.ctx.compiles = self.compiles()  # steps compiled by an earlier fit count as compiled already
-        state = self.events("train_begin", state, self.ctx)
-        if self.restored_path is not None:
-            self.ctx.checkpoint_path = self.restored_path
-            state = self.events("checkpoint_restored", state, self.ctx)
-        self.last_saved = self.step if self.restored_path is not None or self.nothing_to_do else -1
+        state = self.services.events("train_begin", state, self.ctx)
+        if path is not None:
+            self.ctx.checkpoint_path = path
+            state = self.services.events("checkpoint_restored", state, self.ctx)
+        if path is not None or self.progress.phase is Phase.IDLE:
+            self.progress.last_saved = step
         return state
 
     # ------------------------------------------------------------------------------ the steps
 
+    @property
+    def stopping(self) -> bool:
+        """Whether the loop ends after the step just taken."""
+        return self.progress.phase is not Phase.TRAINING
+
+    @property
+    def donated(self) -> bool:
+        """Whether the train step donates its input state (then no callback may keep it)."""
+        return bool(self.compiled) and self.compiled[0] is self.train_step and self.train_step.donate
+
+    def compiles(self) -> int:
+        return sum(step.num_compiles for step in self.compiled)
+
     def batches(self) -> Iterator[Any]:
         """This call's training batches, from where the data stream stands (none when there is nothing to
         do); the loop's position advances with each step."""
-        if self.nothing_to_do:
+        progress = self.progress
+        if progress.phase is Phase.IDLE:
             return iter(())
-        start, check = self.data.start(self.position)  # a replayed stream: one batch early, checked
-        stream = self.loader.iterate(start, num_epochs=self.num_epochs)
-        self._stream = noting_steps(stream, lambda: self.step + 1)
-        self._batches = self._arriving(self._stream, check)
+        start, check = self.services.data.start(progress.position)  # a replayed stream: one batch early
+        stream = self.services.loader.iterate(start, num_epochs=progress.num_epochs)
+        self._batches = self._arriving(noting_steps(stream, lambda: progress.step + 1), check)
         return self._batches
 
-    def _arriving(self, stream: Iterator[Any], check: str) -> Iterator[Any]:
-        for position, batch in stream:
-            if check:
-                self.loader.check_replay(batch, check, *self.position.as_tuple())
-                check = ""
-                continue
-            self._next = position
-            yield batch
+    def _arriving(self, stream: Generator[Any, None, None], check: str) -> Generator[Any, None, None]:
+        try:
+            for position, batch in stream:
+                if check:
+                    self.services.loader.check_replay(batch, check, *self.progress.position.as_tuple())
+                    check = ""
+                    continue
+                self.progress.arriving = position
+                yield batch
+        finally:
+            stream.close()  # now, not when the generator is collected: it stops the prefetch thread
 
     def before_step(self, state: Any, batch: Any) -> Any:
         """``epoch_begin`` at an epoch's first batch, then ``step_begin``."""
-        ctx = self.ctx
-        epoch, index = self._next.as_tuple()
-        self._index = index
+        ctx, events = self.ctx, self.services.events
+        epoch, index = self.progress.arriving.as_tuple()
         ctx.epoch, ctx.batch_index = epoch, index - 1
         if index == 1:
-            state = self.events("epoch_begin", state, ctx)
+            state = events("epoch_begin", state, ctx)
         ctx.batch = batch
-        self.data.saw(batch)
-        state = self.events("step_begin", state, ctx)
+        self.services.data.saw(batch)
+        state = events("step_begin", state, ctx)
         ctx.previous_state = None if self.donated else state
         return state
 
     def after_step(self, state: Any, metrics: Any) -> Any:
         """Count the step, fire ``step_end``, then log, end the epoch, evaluate and save when due."""
-        ctx = self.ctx
-        self.step += 1
-        self.position, index = self._next, self._index
-        ctx.step, ctx.batch_index, ctx.metrics = self.step, index, metrics
+        ctx, progress, options = self.ctx, self.progress, self.options
+        progress.step += 1
+        progress.position = progress.arriving
+        step, index = progress.step, int(progress.position.index)
+        ctx.step, ctx.batch_index, ctx.metrics = step, index, metrics
         ctx.compiles = self.compiles()
         self.window.add(metrics)
-        epoch_done = self.bpe is not None and index == self.bpe
-        ctx.logging_step = self.step % self.log_steps == 0 or epoch_done or self.step >= self.total
-        state = self.events("step_end", state, ctx)
+        epoch_done = progress.batches_per_epoch is not None and index == progress.batches_per_epoch
+        ctx.logging_step = step % options.log_steps == 0 or epoch_done or step >= progress.total
+        state = self.services.events("step_end", state, ctx)
         ctx.previous_state = None
         control = ctx.control
         if control.should_log or ctx.logging_step:
             state = self.log(state)
         if epoch_done:
-            state = self.events("epoch_end", state, ctx)
-        if self.eval_step is not None and (
-            self.eval_every.due(self.step, epoch_done) or control.should_evaluate
-        ):
+            state = self.services.events("epoch_end", state, ctx)
+        if options.eval_step is not None and (options.evals.due(step, epoch_done) or control.should_evaluate):
             state = self.evaluate(state)
-        self.stopping = control.should_stop
-        self.stop_reason = control.stop_reason if self.stopping else ""
-        if self.stopping and control.stop_is_final:
-            self.finished = self.stop_reason or "a callback stopped the run"  # saved: stays finished
-        if self.save_every.due(self.step, epoch_done) or control.should_save:
+        if control.should_stop:
+            progress.phase, progress.stop_reason = Phase.STOPPING, control.stop_reason
+            if control.stop_is_final:
+                progress.finished = (
+                    control.stop_reason or "a callback stopped the run"
+                )  # saved: stays finished
+        if options.saves.due(step, epoch_done) or control.should_save:
             state = self.save(state)
         ctx.control = type(control)()
         ctx.batch = None
-        self.stopping = self.stopping or self.step >= self.total
+        if step >= progress.total:
+            progress.phase = Phase.STOPPING
         return state
-
-    def compiles(self) -> int:
-        return sum(step.num_compiles for step in self.compiled)
 
     # ------------------------------------------------------------------------------ the periodic work
 
     def log(self, state: Any) -> Any:
         """Log the window's averages and the train metrics (one sync), then reset the train metrics."""
+        step, naming = self.progress.step, self.window.naming
         scalars = self.window.flush()
         train_metrics = self.spec.metrics
         if train_metrics is not None and state.metrics is not None:
             merged = distributed.all_reduce_metric_state(train_metrics, state.metrics)
-            scalars.update(self.naming.flatten("train", train_metrics.compute(merged)))
-        self.history.put_scalars(self.naming.expand(scalars), self.step)
-        floats = self.history.at(self.step)  # ours and what callbacks put, with one sync for all
+            scalars.update(naming.flatten("train", train_metrics.compute(merged)))
+        self.history.put_scalars(naming.expand(scalars), step)
+        floats = self.history.at(step)  # ours and what callbacks put, with one sync for all
         self.ctx.logs.update(floats)
-        for lg in self.loggers:
-            lg.write(self.step, floats)
+        for lg in self.services.loggers:
+            lg.write(step, floats)
         if train_metrics is None or state.metrics is None:
             return state
         return state.replace(metrics=train_metrics.empty(state.device))
 
     def evaluate(self, state: Any) -> Any:
         """Evaluate, log the results and fire ``eval_begin``/``eval_end``."""
-        ctx = self.ctx
-        state = self.events("eval_begin", state, ctx)
+        ctx, options, step = self.ctx, self.options, self.progress.step
+        state = self.services.events("eval_begin", state, ctx)
+        assert options.eval_step is not None
         results = evaluate(
             state,
-            self.eval_step,
-            self.eval_data,
-            batch_size=self.eval_batch_size,
-            callbacks=self.callbacks,
+            options.eval_step,
+            options.eval_data,
+            batch_size=options.eval_batch_size or options.batch_size,
+            callbacks=self.services.callbacks,
             ctx=ctx,
         )
         ctx.eval_metrics = results
         for k, v in results.items():
-            self.history.put(k, v, self.step)
+            self.history.put(k, v, step)
         ctx.logs.update(results)
-        for lg in self.loggers:
-            lg.write(self.step, results)
-        return self.events("eval_end", state, ctx)
+        for lg in self.services.loggers:
+            lg.write(step, results)
+        return self.services.events("eval_end", state, ctx)
 
     def save(self, state: Any) -> Any:
         """Save the state with the loop's own (a checkpoint to resume from), when there is a manager."""
-        self.last_saved = self.step
-        if self.manager is None:
+        services, progress = self.services, self.progress
+        progress.last_saved = progress.step
+        if services.manager is None:
             return state
         loop = LoopState(
-            position=self.position,
-            callbacks={n: cb.state_dict() for n, cb in zip(self.names, self.callbacks)},
+            position=progress.position,
+            callbacks={n: cb.state_dict() for n, cb in zip(services.names, services.callbacks)},
             history=json.dumps(self.history.as_dict()),
             window=self.window.to_json(),
-            finished=self.finished,
-            **self.data.fields(self.position),
+            finished=progress.finished or "",
+            **services.data.fields(progress.position),
         )
         tied = getattr(state, "tied", ())
         metadata = {"tied_parameters": dict(tied)} if tied else {}
-        self.manager.save(
-            self.step,
+        services.manager.save(
+            progress.step,
             {"state": state, "loop": loop},
             metrics=dict(self.ctx.eval_metrics or {}),
-            metadata={**metadata, **distributed.loader_layout(self.loader)},
+            metadata={**metadata, **distributed.loader_layout(services.loader)},
         )
-        self.ctx.checkpoint_path = self.manager.path(self.step)
-        return self.events("checkpoint_saved", state, self.ctx)
+        self.ctx.checkpoint_path = services.manager.path(progress.step)
+        return services.events("checkpoint_saved", state, self.ctx)
 
     # ------------------------------------------------------------------------------ the end
 
     def save_last(self, state: Any) -> Any:
         """Save the final state unless it was just saved."""
-        return self.save(state) if self.manager is not None and self.last_saved != self.step else state
+        if self.services.manager is None or self.progress.last_saved == self.progress.step:
+            return state
+        return self.save(state)
 
     def close(self) -> None:
         """Stop the prefetch thread now, flush the writers, wait for asynchronous saves."""
-        if self._stream is not None:
+        if self._batches is not None:
             self._batches.close()
-            self._stream.close()  # now, not when the generator is collected
-        for lg in self.loggers:
+        for lg in self.services.loggers:
             lg.flush()
-        if self.manager is not None and hasattr(self.manager, "wait_until_finished"):
-            self.manager.wait_until_finished()
+        manager = self.services.manager
+        if manager is not None and hasattr(manager, "wait_until_finished"):
+            manager.wait_until_finished()
 
     def finish(self, state: Any) -> FitResult:
         """Fire ``train_end``; the :class:`FitResult`."""
-        state = self.events("train_end", state, self.ctx)
-        return self.result(state)
-
-    def result(self, state: Any) -> FitResult:
+        state = self.services.events("train_end", state, self.ctx)
         return FitResult(
             state=state,
             history=self.history,
             eval_metrics=self.ctx.eval_metrics,
-            stop_reason=self.stop_reason,
+            stop_reason=self.progress.stop_reason,
         )
+
+
+def _checkpoint(resume: bool | int | str, manager: Any) -> tuple[str, Any] | None:
+    """The checkpoint ``resume`` names, read: ``(its path, its contents)``; ``None``: start fresh."""
+    resume_file = isinstance(resume, str | os.PathLike) and os.path.isfile(resume)
+    if resume is False:
+        return None
+    if manager is None and not resume_file:
+        raise ValueError("fit: resume needs checkpoints=CheckpointManager(...) (or a directory)")
+    if resume_file:
+        from functrain.checkpoint import restore
+
+        return os.fspath(resume), restore(resume)
+    if manager.latest() is None:
+        return None
+    which = "latest" if resume is True else resume
+    raw = manager.restore(which)
+    step = manager.latest() if which == "latest" else manager.best() if which == "best" else which
+    return manager.path(step), raw
+
+
+def _progress(
+    state: Any,
+    services: Services,
+    options: FitOptions,
+    position: DataPosition,
+    finished: str | None,
+    resumed: bool,
+) -> Progress:
+    """Where a run starts: its step, this call's length resolved, idle (and why: a warning) when there is
+    nothing to do."""
+    step, bpe, length = run_step(state), services.loader.batches_per_epoch, options.length
+    if not resumed and step > 0 and bpe is not None:
+        position = DataPosition.from_batch_count(step, bpe)  # continue the stream
+    num_epochs, total = length.resolve(bpe, step, position)
+    progress = Progress(step, position, total, num_epochs, bpe, finished=finished)
+    idle = length.nothing_to_do(finished or "", step, total, bpe)
+    if idle:
+        warnings.warn(idle, RunFinishedWarning, stacklevel=4)  # at fit's caller
+        services.events = Events([cb for cb in services.callbacks if cb is not services.bar])
+        progress.phase, progress.stop_reason = Phase.IDLE, finished or ""
+    elif length.extending:
+        progress.finished = None
+    return progress
 
 
 def _as_manager(checkpoints: Any, callbacks: list[Callback]) -> Any:
