@@ -7,6 +7,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -51,11 +52,7 @@ def evaluate(
     ctx = ctx or Context()
     ctx.phase = "eval"
     spec = spec_of(eval_step)
-    metric_fns = spec.metrics
-    loss_sum: torch.Tensor | None = None
-    count = 0
-    merged = None
-    extra_sums: dict[str, torch.Tensor] = {}
+    sums = _Sums(spec.metrics)
     for batch, real in padding.padded(loader.epoch(0), eval_step, loader.batch_size):
         ctx.batch = batch
         state = events("eval_batch_begin", state, ctx)
@@ -63,28 +60,48 @@ def evaluate(
         n = int(out["num_examples"]) if real is None else real
         if n == 0:
             continue  # an empty shard of a distributed last batch
-        weighted = out["loss"] * n
-        loss_sum = weighted if loss_sum is None else loss_sum + weighted
-        count += n
-        for k, v in out.items():
-            if k not in ("loss", "num_examples", "metrics", "preds") and isinstance(v, torch.Tensor):
-                extra_sums[k] = extra_sums.get(k, 0) + v * n
-        if out.get("metrics") is not None and metric_fns is not None:
-            merged = out["metrics"] if merged is None else metric_fns.merge(merged, out["metrics"])
+        sums.add(out, n)
         state = events("eval_batch_end", state, ctx)
     ctx.batch = None
     ctx.phase = "train"
-    loss_sum, count, extra_sums, merged = distributed.merge_evaluation(
-        loss_sum, count, extra_sums, merged, metric_fns, state.device
-    )
-    if count == 0:
-        raise ValueError("evaluate: the evaluation data produced no examples")
-    naming = spec.naming(state)
-    values: dict[str, Any] = {f"{prefix}/loss": loss_sum / count}
-    values.update({f"{prefix}/{k}": v / count for k, v in extra_sums.items()})
-    if merged is not None:
-        values.update(naming.flatten(prefix, metric_fns.compute(merged)))
-    return scalar_dict(naming.expand(values))
+    return sums.compute(spec.naming(state), prefix, state.device)
+
+
+@dataclasses.dataclass
+class _Sums:
+    """An evaluation's example-weighted running sums: the loss, the step's other tensors (``extras``) and
+    the merged metric states; :meth:`compute` merges them across ranks (once) and divides."""
+
+    metric_fns: Any
+    loss: torch.Tensor | None = None
+    count: int = 0
+    extras: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    merged: Any = None
+
+    def add(self, out: Mapping[str, Any], n: int) -> None:
+        """Add one batch's step output, which holds ``n`` real examples."""
+        weighted = out["loss"] * n
+        self.loss = weighted if self.loss is None else self.loss + weighted
+        self.count += n
+        for k, v in out.items():
+            if k not in ("loss", "num_examples", "metrics", "preds") and isinstance(v, torch.Tensor):
+                self.extras[k] = self.extras.get(k, 0) + v * n
+        if out.get("metrics") is not None and self.metric_fns is not None:
+            metrics = out["metrics"]
+            self.merged = metrics if self.merged is None else self.metric_fns.merge(self.merged, metrics)
+
+    def compute(self, naming: Any, prefix: str, device: torch.device) -> dict[str, float]:
+        """The metrics over every rank's examples, as floats (one host sync)."""
+        loss_sum, count, extra_sums, merged = distributed.merge_evaluation(
+            self.loss, self.count, self.extras, self.merged, self.metric_fns, device
+        )
+        if count == 0:
+            raise ValueError("evaluate: the evaluation data produced no examples")
+        values: dict[str, Any] = {f"{prefix}/loss": loss_sum / count}
+        values.update({f"{prefix}/{k}": v / count for k, v in extra_sums.items()})
+        if merged is not None:
+            values.update(naming.flatten(prefix, self.metric_fns.compute(merged)))
+        return scalar_dict(naming.expand(values))
 
 
 def predict(
