@@ -21,7 +21,9 @@ Destroying the process group joins its workers, but only once nothing references
 collectives' bookkeeping or the user's own ``group = dist.group.WORLD`` keep the object alive, its
 workers running into finalization (gloo's ``shutdown`` and ``abort`` do not stop them either). About 1
 gloo run in 100 aborted this way after finishing; a 2-rank script that ends right after its collectives
-holding the group, 6 in 33.
+holding the group, 6 in 33. The bug is torch's, with Python <= 3.13 (3.14 parks such a thread instead of
+ending it, gh-87135); its minimal reproduction is tests/test_distributed_torchrun.py's late-worker test,
+and this module is the workaround.
 
 :func:`wait_for_gloo_workers` runs at exit (registered by :func:`functrain.distributed.initialize`),
 before the interpreter finalizes: it sleeps, GIL released, until every gloo worker thread of the process
