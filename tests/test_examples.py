@@ -37,6 +37,35 @@ def test_every_example_is_listed():
     ]
 
 
+def _quick_start_commands() -> list[str]:
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    section = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    return [
+        line.strip()
+        for block in re.findall(r"```bash\n(.*?)```", section, re.S)
+        for line in block.splitlines()
+    ]
+
+
+def test_readme_quick_start_pins_the_cpu_torch_ci_tests_and_its_test_command_is_cis():
+    """Verbatim on a fresh machine: torch is installed first, pinned to CI's version, from the CPU index
+    (PyPI's default is the CUDA build); the test command is the one .ci/run runs after pinning torch."""
+    commands = _quick_start_commands()
+    ci = (EXAMPLES.parent / ".ci" / "run").read_text()
+    (full,) = re.findall(r"^FULL=(\S+)$", ci, re.M)
+    torch_installs = [c for c in commands if re.search(r"pip install torch\b", c)]
+    assert torch_installs and all(
+        f"pip install torch=={full} --index-url https://download.pytorch.org/whl/cpu" in c
+        for c in torch_installs
+    ), torch_installs
+    assert commands[-1] == 'pip install -e ".[dev]" && python -m pytest', commands
+    assert re.search(r'^python -m pip install -q -e "\.\[dev\]"$', ci, re.M), (
+        "CI installs what the README says"
+    )
+    assert re.search(r"^python -m pytest -q", ci, re.M), "CI runs the README's test command"
+    assert ci.index("pip install -q torch==$FULL") < ci.index('-e ".[dev]"'), "CI pins torch first"
+
+
 def _imported_modules(example: Path) -> set[str]:
     if example.suffix == ".ipynb":
         cells = json.loads(example.read_text())["cells"]
