@@ -58,7 +58,8 @@ def test_readme_quick_start_pins_the_cpu_torch_ci_tests_and_its_test_command_is_
         f"pip install torch=={full} --index-url https://download.pytorch.org/whl/cpu" in c
         for c in torch_installs
     ), torch_installs
-    assert commands[-1] == 'pip install -e ".[dev]" && python -m pytest', commands
+    assert commands[-1].endswith('&& pip install -e ".[dev]" && python -m pytest'), commands
+    assert all(c.startswith("python3 -m venv .venv && ") for c in commands), "one command each, fresh venv"
     assert re.search(r'^python -m pip install -q -e "\.\[dev\]"$', ci, re.M), (
         "CI installs what the README says"
     )
