@@ -80,6 +80,17 @@ def test_best_of_another_metric_leaves_the_managers_own_unchanged(tmp_path):
         assert 1 in manager.all_steps(), type(manager).__name__
 
 
+def test_an_unreadable_header_is_skipped_by_latest_best_and_retention_of_either_manager(tmp_path):
+    for manager in _both_managers(tmp_path, max_to_keep=1, best_metric="loss"):
+        _save_steps(manager, {1: 0.1, 2: 0.5})
+        with open(manager.path(2), "wb") as f:  # the step's file (plain) or its manifest (sharded)
+            f.write(b"garbage")
+        with pytest.warns(UserWarning, match="ignoring unreadable checkpoint"):
+            assert manager.latest() == 1 and manager.best() == 1, type(manager).__name__
+        _save_steps(manager, {3: 0.9})  # retention ranks the readable steps
+        assert manager.all_steps() == [1, 3] and manager.latest() == 3 and manager.best() == 1
+
+
 def test_metadata_and_header_without_loading(tmp_path):
     manager = CheckpointManager(tmp_path, fsync=False)
     manager.save(torch.tensor(5), {"w": torch.ones(2)}, metadata={"tied_parameters": {"b": "a"}})
