@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import functrain as ft
-from functrain.demo import DigitsCNN, digits_splits
+from functrain.trainer.demo import DigitsCNN, digits_splits
 
 SMALL = os.environ.get("FUNCTRAIN_SMALL") == "1"
 EPOCHS = 1 if SMALL else 8

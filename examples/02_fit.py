@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import functrain as ft
-from functrain.demo import DigitsCNN, digits_splits
+from functrain.trainer.demo import DigitsCNN, digits_splits
 
 SMALL = os.environ.get("FUNCTRAIN_SMALL") == "1"
 run_dir = sys.argv[1] if len(sys.argv) > 1 else "runs/fit_example"

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import functrain as ft
-from functrain.demo import DigitsCNN, digits_splits
+from functrain.trainer.demo import DigitsCNN, digits_splits
 
 SMALL = os.environ.get("FUNCTRAIN_SMALL") == "1"
 out = os.environ.get("FUNCTRAIN_OUT", "runs/finetune_example")

@@ -425,7 +425,7 @@ def test_cli_help_config_lists_fields(capsys):
 
 
 def test_demo_runs_small(tmp_path: Path):
-    from functrain import demo
+    from functrain.trainer import demo
 
     results = demo.run(str(tmp_path / "demo"), epochs=1, compile=False, progress_bar=False, tensorboard=False)
     assert results["eval/accuracy"] > 0.6

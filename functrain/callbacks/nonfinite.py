@@ -57,14 +57,8 @@ def skip_nonfinite(train_step: Callable[[Any, Any], tuple[Any, dict[str, Any]]])
         finite = torch.isfinite(metrics["loss"]).all()
         if "grad_norm" in metrics and getattr(state, "loss_scale", None) is None:
             finite = finite & torch.isfinite(metrics["grad_norm"]).all()
-
-        def keep(new_leaf: Any, old_leaf: Any) -> Any:
-            if not isinstance(new_leaf, torch.Tensor):
-                return new_leaf
-            return torch.where(finite.to(new_leaf.device), new_leaf, old_leaf)
-
         kept = {
-            name: tree.map(keep, getattr(new, name), getattr(state, name))
+            name: tree.keep_where(finite, getattr(new, name), getattr(state, name))
             for name in ("params", "buffers", "opt_state", "metrics")
             if getattr(new, name, None) is not None
         }

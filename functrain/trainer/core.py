@@ -60,7 +60,6 @@ class Trainer:
         criterion: ``criterion(preds, target) -> loss`` for ``(inputs, target)`` batches; default:
             ``config.criterion`` (a Hugging Face model's own loss is used unless ``config.criterion`` or
             this is set).
-        loss: deprecated alias of ``criterion`` (a ``DeprecationWarning``; removed in the next release).
         optimizer: a :class:`functrain.optim.GradientTransformation`; default: ``config.optimizer`` and
             ``config.scheduler``.
         callbacks: extra :class:`functrain.callbacks.Callback` objects for this trainer's runs.
@@ -82,12 +81,11 @@ class Trainer:
         criterion: Callable[[Any, Any], torch.Tensor] | None = None,
         optimizer: optim.GradientTransformation | None = None,
         callbacks: Iterable[cbs.Callback] = (),
-        loss: Callable[[Any, Any], torch.Tensor] | None = None,
     ) -> None:
         self.config = cfg = _with_eval_strategy(_as_config(config), model, eval_dataset)
         self.model, self.data_collator = model, data_collator
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
-        criterion = batches.criterion_argument(criterion, loss, loss_fn)
+        criterion = batches.criterion_argument(criterion, loss_fn)
         self.loss_fn = loss_fn
         # A model that takes labels computes its own loss (Hugging Face); an explicit criterion wins.
         self.model_takes_labels = batches.forward_takes_labels(model)
