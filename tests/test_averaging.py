@@ -250,12 +250,12 @@ def test_trainer_ema_config_trains_evaluates_and_predicts_with_the_average(tmp_p
 
     evaluated = trainer.evaluate()
     loader = trainer._loader(trainer.eval_dataset, 16, train=False)
-    step = trainer._jit("eval", trainer.eval_step)
+    step = trainer._jit("eval")
     with_average = ft.evaluate(averaging.with_averaged_params(trainer.state), step, loader)
     live = ft.evaluate(trainer.state, step, loader)
     assert evaluated == with_average != live
     assert result.eval_metrics == with_average  # the in-training evaluation used the average too
-    predict_step = trainer._jit("predict", trainer._predict_step)
+    predict_step = trainer._jit("predict")
     expected = ft.predict(averaging.with_averaged_params(trainer.state), predict_step, loader, collect=True)
     assert torch.equal(trainer.predict(trainer.eval_dataset), expected)
 

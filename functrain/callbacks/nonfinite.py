@@ -28,11 +28,12 @@ import torch
 from functrain import tree
 from functrain.callbacks.base import Callback, Context
 from functrain.callbacks.monitors import NonFiniteLossError
+from functrain.step import Step, as_step
 
 __all__ = ["SkippedSteps", "skip_nonfinite"]
 
 
-def skip_nonfinite(train_step: Callable[[Any, Any], tuple[Any, dict[str, Any]]]) -> Callable[..., Any]:
+def skip_nonfinite(train_step: Callable[[Any, Any], tuple[Any, dict[str, Any]]]) -> Step:
     """``train_step`` whose steps with a non-finite loss or gradient norm leave the state as it was
     (except its step count) and report ``metrics["skipped"] = 1.0`` (else ``0.0``).
 
@@ -49,11 +50,13 @@ def skip_nonfinite(train_step: Callable[[Any, Any], tuple[Any, dict[str, Any]]])
         (1.0, True)
     """
 
-    @functools.wraps(train_step)
+    inner = as_step(train_step)  # the same step (model, settling forward, ...) around another function
+
+    @functools.wraps(inner.fn)
     def skipping_step(state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
         # Never donated=True (jit passes it only to a step that declares it): a skipped step returns the
         # incoming tensors, so the update must not write into them.
-        new, metrics = train_step(state, batch)
+        new, metrics = inner.fn(state, batch)
         finite = torch.isfinite(metrics["loss"]).all()
         if "grad_norm" in metrics and getattr(state, "loss_scale", None) is None:
             finite = finite & torch.isfinite(metrics["grad_norm"]).all()
@@ -64,7 +67,7 @@ def skip_nonfinite(train_step: Callable[[Any, Any], tuple[Any, dict[str, Any]]])
         }
         return new.replace(**kept), {**metrics, "skipped": (~finite).float()}
 
-    return skipping_step
+    return inner.replace(fn=skipping_step)
 
 
 class SkippedSteps(Callback):

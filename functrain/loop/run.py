@@ -38,7 +38,7 @@ from functrain.loop.length import RunLength
 from functrain.loop.schedule import Every
 from functrain.loop.state import FitResult, LoopState, RunFinishedWarning
 from functrain.loop.window import Window
-from functrain.step import spec_of
+from functrain.step import as_step
 
 __all__ = ["Run"]
 
@@ -49,7 +49,7 @@ class Run:
 
     def __init__(self, train_step: Callable[..., Any], loader: Any, length: RunLength, **fields: Any) -> None:
         self.train_step, self.loader, self.length = train_step, loader, length
-        self.spec = spec_of(train_step)
+        self.spec = as_step(train_step)
         self.eval_step: Any = fields["eval_step"]
         self.eval_data, self.eval_batch_size = fields["eval_data"], fields["eval_batch_size"]
         self.log_steps: int = fields["log_steps"]
@@ -124,7 +124,7 @@ class Run:
             device=batch_device(state),
         )
         loader.require_batches("fit")  # before any step: zero steps is never a finished run
-        spec_of(train_step).check(state, "fit")
+        as_step(train_step).check(state, "fit")
         if length.counts_epochs and loader.batches_per_epoch is None:
             raise ValueError(
                 "fit: the training data has no length, so epochs cannot be counted; use max_steps "
