@@ -43,7 +43,7 @@ CompiledStep.__init__ = _recording_init
 start = time.perf_counter()
 if kind == "demo":
     from functrain import cli
-    cli.main(["demo", "--output-dir", target])
+    cli.main(["demo", f"output_dir={target}"])
 elif kind == "script":
     sys.argv = [target]
     runpy.run_path(target, run_name="__main__")

@@ -115,8 +115,7 @@ class Runner:
         self.state = ft.TrainState.create(model, ft.optim.adamw(common.LR), copy=False)
         padded = variant == "padded"
         if kind == "eval":
-            step = ft.make_eval_step(model, _loss_fn(workload_name, loss))
-            step.masked_batches = padded
+            step = ft.make_eval_step(model, _loss_fn(workload_name, loss)).replace(masked_batches=padded)
         else:
             step = ft.make_train_step(model, _loss_fn(workload_name, loss))
         dynamic = None if variant == "mark-dynamic" else False
@@ -132,7 +131,7 @@ class Runner:
         batches = _marked(self.loader.epoch(0), marked)
         if self.kind == "eval":
             total = torch.zeros(())
-            for batch, real in padding.padded(batches, self.jitted, self.size):
+            for batch, real in padding.padded(batches, self.jitted.step.masked_batches, self.size):
                 out = self.jitted(self.state, batch)
                 total = total + out["loss"] * (real if real is not None else out["num_examples"])
             total.item()

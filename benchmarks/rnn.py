@@ -1,7 +1,7 @@
 """Compile time of a GRU sequence classifier's train step against the sequence length.
 
 functrain runs ``nn.GRU``/``nn.LSTM``/``nn.RNN`` as a Python loop over time steps inside compiled
-steps (``functrain.rnn``), which dynamo unrolls: the graph, and so the compile time, grows with the
+steps (``functrain.compile.rnn``), which dynamo unrolls: the graph, and so the compile time, grows with the
 sequence length. Each sequence length runs in a fresh child process with an empty inductor cache
 (a cold compile), and reports the first call (compile + one step) and the median of ``--steps``
 compiled steps, beside the same step run eagerly with torch's own GRU kernel (``make_train_step``

@@ -5,6 +5,9 @@ python examples/02_fit.py [RUN_DIR]            (run it twice: the second run fin
 Takes about 1-2 minutes on a laptop CPU (compiling the steps takes most of it). The run is resumable:
 Ctrl-C saves and stops, the next run continues; a run that ended (10 epochs, or early stopping)
 returns at once and says so; `additional_epochs=N` in `ft.fit` would train N more.
+Prints a progress bar with each epoch's evaluation, why it stopped, the test accuracy and where the curves
+are. Writes RUN_DIR (default runs/fit_example under the folder you run it from): checkpoints/, logs/
+(JSONL and TensorBoard) and curves.png.
 """
 
 import os
@@ -14,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import functrain as ft
-from functrain.demo import DigitsCNN, digits_splits
+from functrain.trainer.demo import DigitsCNN, digits_splits
 
 SMALL = os.environ.get("FUNCTRAIN_SMALL") == "1"
 run_dir = sys.argv[1] if len(sys.argv) > 1 else "runs/fit_example"

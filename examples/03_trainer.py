@@ -4,6 +4,9 @@ python examples/03_trainer.py
 
 Takes about 2 minutes on a laptop CPU. On a GPU it trains in bf16 mixed precision; on a CPU in float32,
 because compiling the bf16 step for a CPU takes minutes (and CPUs gain little from bf16).
+Prints the model summary, a progress bar with each epoch's evaluation (accuracy, macro F1) and the test
+metrics of the best checkpoint. Writes runs/trainer_example under the folder you run it from (replaced
+on each run: overwrite_output_dir): checkpoints, the resolved config, TensorBoard and CSV logs.
 """
 
 import os
@@ -11,7 +14,7 @@ import os
 import torch
 
 import functrain as ft
-from functrain.demo import DigitsCNN, digits_splits
+from functrain.trainer.demo import DigitsCNN, digits_splits
 
 SMALL = os.environ.get("FUNCTRAIN_SMALL") == "1"
 GPU = torch.cuda.is_available()

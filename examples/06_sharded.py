@@ -14,6 +14,14 @@ optimizer state is built on the shards: the full optimizer state never exists) a
 ``make_train_step``, and a ``ShardedCheckpointManager`` (one msgpack file per rank plus a manifest, restored
 on any number of ranks). Ranks other than 0 build the model on the meta device: the weights come from
 rank 0, one leaf at a time.
+
+Prints (rank 0 speaks for all): what it trains, one line per epoch (train loss, evaluation), each rank's
+share of the params and optimizer state, the stop reason and the accuracy of the gathered weights in a
+plain nn.Module. Expected with the defaults (5 epochs, eager; torch 2.13 on a CPU): accuracy 0.700 on
+the 297 held-out digits on 2 ranks (global batch 128: 60 steps), 0.768 in one process (global batch 64:
+120 steps); a tiny model trained briefly, more --epochs go higher. About 15 s on 2 CPU cores, plus
+compiling with --compile. Writes its checkpoints to --out (default runs/06_sharded under the folder you
+run it from): a rerun resumes from them and, once finished, only reports; delete the folder to train again.
 """
 
 from __future__ import annotations
@@ -57,6 +65,27 @@ def digits() -> tuple[torch.utils.data.TensorDataset, torch.utils.data.TensorDat
     )
 
 
+def say(*values: object) -> None:
+    """Print on rank 0 only, at once: one rank speaks for all."""
+    if distributed.is_main_process():
+        print(*values, flush=True)
+
+
+class EpochReport(ft.callbacks.Callback):
+    """One line per epoch: the last train step's loss and the epoch's evaluation (every rank agrees)."""
+
+    def __init__(self, epochs: int) -> None:
+        self.epochs = epochs
+
+    def on_eval_end(self, state: ft.TrainState, ctx: ft.callbacks.Context) -> ft.TrainState:
+        evaluation = ctx.eval_metrics or {}
+        say(
+            f"epoch {ctx.epoch + 1}/{self.epochs}: train loss {float(ctx.metrics['loss']):.3f} | "
+            f"eval loss {evaluation['eval/loss']:.3f}, accuracy {evaluation['eval/accuracy']:.3f}"
+        )
+        return state
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--level", choices=("optimizer", "grads", "params"), default="params")
@@ -66,6 +95,10 @@ def main() -> None:
     args = parser.parse_args()
 
     with distributed.initialize():
+        say(
+            f"06: a small transformer on digits, {args.epochs} epochs on {distributed.world_size()} rank(s), "
+            f"sharding {args.level}, {'compiled' if args.compile else 'eager'}; checkpoints in {args.out}"
+        )
         train_set, val_set = digits()
         if distributed.rank() == 0:
             torch.manual_seed(0)
@@ -92,6 +125,7 @@ def main() -> None:
             checkpoints=ShardedCheckpointManager(args.out, sharding, max_to_keep=2),
             resume_from_checkpoint=True,
             progress_bar=False,
+            callbacks=[EpochReport(args.epochs)],
         )
 
         held = ft.tree.num_bytes((result.state.params, result.state.opt_state))
@@ -108,7 +142,10 @@ def main() -> None:
             x, y = val_set.tensors
             with torch.no_grad():
                 accuracy = (plain(x).argmax(1) == y).float().mean()
-            print(f"the gathered weights in a plain nn.Module: accuracy {float(accuracy):.3f}")
+            print(
+                f"the gathered weights in a plain nn.Module: accuracy {float(accuracy):.3f} (expected with the "
+                "defaults: 0.700 on 2 ranks, 0.768 in one process, whose global batch is half as large)"
+            )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,10 @@ token 8? About a minute on a laptop CPU (eager); on a GPU the steps are compiled
 
 For a pretrained model use ``AutoModelForSequenceClassification.from_pretrained(name)`` and a tokenizer's
 ``input_ids``/``attention_mask`` instead; the Trainer part stays the same.
+
+Prints the model summary, a progress bar, the validation accuracy before and after training and four
+predictions against their labels. Writes runs/hf_finetune under the folder you run it from (replaced on
+each run). Needs transformers (in the ``examples`` extra: ``pip install -e ".[examples]"``).
 """
 
 import os
@@ -21,7 +25,9 @@ import functrain as ft
 try:
     import transformers
 except ImportError:
-    raise SystemExit("07 needs transformers: pip install transformers") from None
+    raise SystemExit(
+        '07 needs transformers: pip install -e ".[examples]" (or pip install transformers)'
+    ) from None
 
 SMALL = os.environ.get("FUNCTRAIN_SMALL") == "1"
 GPU = torch.cuda.is_available()

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 from functrain import _lazy
 
 _SUBMODULES = (
-    "averaging",
     "callbacks",
     "checkpoint",
     "data",
@@ -48,7 +47,7 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(
         ("make_eval_step", "make_predict_step", "make_train_step", "supervised_loss"), "functrain.step"
     ),
-    **dict.fromkeys(("ImageClassificationTrainer", "SegmentationTrainer"), "functrain.tasks"),
+    **dict.fromkeys(("ImageClassificationTrainer", "SegmentationTrainer"), "functrain.trainer.tasks"),
     "Trainer": "functrain.trainer",
     "__version__": "functrain._version",  # from the package metadata (importlib.metadata), on first use
 }
@@ -68,7 +67,6 @@ __all__ = [
     "Trainer",
     "TrainerConfig",
     "__version__",
-    "averaging",
     "callbacks",
     "checkpoint",
     "data",
@@ -96,7 +94,6 @@ _lazy.install(__name__, _LAZY, _SUBMODULES)
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
     from functrain import (
-        averaging,
         callbacks,
         checkpoint,
         data,
@@ -116,5 +113,5 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
     from functrain.remat import remat
     from functrain.state import TrainState
     from functrain.step import make_eval_step, make_predict_step, make_train_step, supervised_loss
-    from functrain.tasks import ImageClassificationTrainer, SegmentationTrainer
     from functrain.trainer import Trainer
+    from functrain.trainer.tasks import ImageClassificationTrainer, SegmentationTrainer

@@ -34,7 +34,7 @@ from functrain.compile.guards import skip_library_guards
 from functrain.compile.traceable import traceable
 from functrain.distributed.env import rank as distributed_rank
 from functrain.remat import RematRandomnessError
-from functrain.step import refuse_plain_state, spec_of
+from functrain.step import Step, as_step, refuse_plain_state
 
 __all__ = ["CompiledStep", "DonatedStateError", "GraphBreakError", "RecompileError", "jit"]
 # The compile internals live in functrain.compile; these names stay importable from here (the torch
@@ -80,6 +80,8 @@ class CompiledStep:
     """A step function wrapped by :func:`jit`. Call it like the step: ``step(state, *args)``.
 
     Attributes:
+        step: the :class:`functrain.step.Step` it runs (a plain function as a ``"custom"`` one); its fields
+            (model, settle, kind) are read when the step is called.
         num_compiles: graphs compiled so far (1 after the first call at a fixed shape).
         compile_reasons: for each recompilation, the guard that failed (what changed).
         compile_seconds: wall time of the calls that compiled, summed (0.0 before the first call).
@@ -104,6 +106,7 @@ class CompiledStep:
         if on_max_compiles not in ("raise", "warn"):
             raise ValueError(f"on_max_compiles must be 'raise' or 'warn', got {on_max_compiles!r}")
         self.fn = fn
+        self._step = as_step(fn)
         self.compile = compile
         self.donate = donate
         self.max_compiles = max_compiles
@@ -116,10 +119,9 @@ class CompiledStep:
         self.cache_dir = os.fspath(cache_dir) if cache_dir is not None else None
         self._donated: weakref.WeakSet[Any] = weakref.WeakSet()
         self._warned = False
-        functools.update_wrapper(self, fn)
-        self.spec = spec_of(fn)  # what the step says it is (functrain.step.StepSpec)
-        self._model = self.spec.model  # what functrain.compile.traceable adapts
-        target = wrappers.with_own_code(wrappers.donating(fn) if donate else wrappers.keeping_layouts(fn))
+        pure = self._step.fn  # what dynamo traces: the step's own function (donated=True where it takes it)
+        functools.update_wrapper(self, pure, updated=())
+        target = wrappers.with_own_code(wrappers.donating(pure) if donate else wrappers.keeping_layouts(pure))
         self._eager = target
         # After the first compile, calls whose inputs pass a cached graph's guards skip dynamo's frame
         # evaluation (functrain.compile.cache_hits): ~0.1 ms less host time per call.
@@ -127,7 +129,7 @@ class CompiledStep:
         # evaluation compiles: direct calls need the one graph of fullgraph=True.
         self._cache_hits = CacheHits(target, enabled=compile and fullgraph)
         self._lookup_in_traceable = False
-        self._settle = _settling_forward(fn) if compile else None
+        self._settled = not compile  # the step's settling forward runs before the first trace
         self._cache = PortableCache(self.cache_dir, self.__name__) if self.cache_dir is not None else None
         self._options = {"fullgraph": fullgraph, "dynamic": dynamic, "mode": mode, "options": options}
         if compile:
@@ -145,6 +147,11 @@ class CompiledStep:
             )
         else:
             self._compiled = target
+
+    @property
+    def step(self) -> Step:
+        """The step this compiles (:class:`functrain.step.Step`)."""
+        return self._step
 
     # The counting backend: every graph the step compiles passes through here.
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any], *, config: dict[str, Any]) -> Any:
@@ -185,7 +192,7 @@ class CompiledStep:
 
     def __call__(self, state: Any, *args: Any, **kwargs: Any) -> Any:
         # The one dispatcher: seed, then exactly one of three ways to run the step.
-        if self.spec.kind != "custom":
+        if self._step.kind != "custom":
             refuse_plain_state(state, self.__name__)  # before dynamo traces a dict's missing .params
         if self.donate and state in self._donated:
             raise DonatedStateError(
@@ -195,8 +202,8 @@ class CompiledStep:
         if self.seed and hasattr(state, "rng"):
             rank = self.rank if self.rank is not None else distributed_rank()
             _seed_generators(random.step_seed(state.rng, state.step, rank), wrappers.device_of(state))
-        if not self.compile:
-            with traceable(self._model, compiled=False):  # torch.utils.checkpoint routed (torch.func.grad)
+        if not self.compile:  # the model's torch.utils.checkpoint routed (torch.func.grad)
+            with traceable(self._step.model, compiled=False):
                 out = self._eager(state, *args, **kwargs)
         else:
             out = self._cached_graph(state, args, kwargs) if self.num_compiles else MISS
@@ -213,21 +220,22 @@ class CompiledStep:
         graph guards one of them (a model that calls torch.utils.checkpoint, an RNN): then a lookup
         outside missed while dynamo's own lookup inside found the graph without compiling.
         """
-        with traceable(self._model, compiled=True) if self._lookup_in_traceable else contextlib.nullcontext():
+        model = self._step.model
+        with traceable(model, compiled=True) if self._lookup_in_traceable else contextlib.nullcontext():
             return self._cache_hits.call(state, args, kwargs)
 
     def _through_dynamo(self, state: Any, args: tuple, kwargs: dict) -> Any:
         """Call the step through ``torch.compile``, compiling if dynamo has to."""
-        if self._settle is not None:  # before the first trace, once
-            settle, self._settle = self._settle, None
-            wrappers.settle_eagerly(settle, self.__name__, state, args, kwargs)
-        compiles = self.num_compiles
+        if not self._settled:  # before the first trace, once
+            self._settled = True
+            settle = _settling_forward(self._step)
+            if settle is not None:
+                wrappers.settle_eagerly(settle, self.__name__, state, args, kwargs)
+        compiles, model = self.num_compiles, self._step.model
         # Cache misses are only read to decide whether to write a cache file.
         misses = self._cache.before_call(first=compiles == 0) if self._cache is not None else 0
         call = (state, args, kwargs)
-        key = (
-            compile_times.announce(self.__name__, self._model, call, self._options) if not compiles else None
-        )
+        key = compile_times.announce(self.__name__, model, call, self._options) if not compiles else None
         # Dynamo stops compiling (and silently runs eagerly) after ``recompile_limit`` compiles; lift it
         # so that max_compiles decides. Set and restored by hand: config.patch costs ~5x more per call.
         dynamo_config = torch._dynamo.config
@@ -236,7 +244,7 @@ class CompiledStep:
             dynamo_config.recompile_limit = needed
         started = time.perf_counter()
         # The model's torch.utils.checkpoint, RNNs and log calls, made traceable (functrain.compile.traceable).
-        with traceable(self._model, compiled=True):
+        with traceable(model, compiled=True):
             try:
                 out = self._compiled(state, *args, **kwargs)
             except RecompileError:
@@ -297,14 +305,12 @@ class CompiledStep:
         return f"CompiledStep({self.__name__}, {how}, donate={self.donate}, compiles={self.num_compiles})"
 
 
-def _settling_forward(step: Callable[..., Any]) -> Callable[..., Any] | None:
+def _settling_forward(step: Step) -> Callable[..., Any] | None:
     """What runs a step's model once eagerly before its first trace: a train step's ``settle`` (its loss
     function's forward, without gradients); an eval or predict step of a module is a forward itself."""
-    spec = spec_of(step)
-    settle = spec.settle
-    if settle is None and spec.kind in ("eval", "predict"):
-        settle = step if isinstance(spec.model, torch.nn.Module) else None
-    return settle
+    if step.settle is None and step.kind in ("eval", "predict") and isinstance(step.model, torch.nn.Module):
+        return step.fn
+    return step.settle
 
 
 def jit(

@@ -46,14 +46,13 @@ from functrain.state import model_variables
 
 __all__ = [
     "LossFn",
-    "StepSpec",
-    "attach_spec",
+    "Step",
+    "as_step",
     "make_eval_step",
     "make_predict_step",
     "make_train_step",
     "num_examples",
     "refuse_plain_state",
-    "spec_of",
     "split_batch",
     "supervised_loss",
 ]
@@ -64,12 +63,16 @@ ApplyFn = Callable[..., Any]  # apply(params, buffers, *inputs) -> outputs
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class StepSpec:
-    """What a step is, said once: ``make_*_step`` and ``functrain.ensemble`` put it on the step as
-    ``step.spec`` (and :func:`functrain.jit` keeps it on the compiled step), so that ``fit``, ``evaluate``
-    and ``jit`` ask it instead of probing the function.
+class Step:
+    """A pure step as a value: the function ``fn(state, batch)`` and what it is, said once as frozen fields.
+
+    ``make_*_step`` and ``functrain.ensemble`` return steps; calling one runs ``fn``. :func:`functrain.jit`
+    reads the fields when it runs the step (the model for its RNN rewrite, checkpoint routing and attention
+    patch; ``settle`` before the first trace), and ``fit``, ``evaluate`` and ``predict`` ask them instead of
+    probing the function. A changed step is a new value: ``step.replace(masked_batches=False)``.
 
     Attributes:
+        fn: the pure function, ``fn(state, batch) -> ...``.
         kind: ``"train"``, ``"eval"``, ``"predict"``, or ``"custom"`` (a function of the user's own).
         model: the module (or apply function) the step runs.
         metrics: the metric collection whose state the step updates (``state.metrics`` for a train step).
@@ -82,10 +85,13 @@ class StepSpec:
 
     Example:
         >>> step = ft.make_train_step(torch.nn.Linear(4, 3), ft.supervised_loss(F.cross_entropy))
-        >>> step.spec.kind, step.spec.members
+        >>> step.kind, step.members
         ('train', False)
+        >>> Step(lambda state, batch: (state, {})).kind
+        'custom'
     """
 
+    fn: Callable[..., Any]
     kind: Literal["train", "eval", "predict", "custom"] = "custom"
     model: Any = None
     metrics: Any = None
@@ -94,6 +100,17 @@ class StepSpec:
     members: bool = False
     sharding: Any = None
     masked_batches: bool = False
+
+    def __call__(self, state: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(state, *args, **kwargs)
+
+    @property
+    def __name__(self) -> str:  # what logs and errors call the step (its function's name)
+        return getattr(self.fn, "__name__", type(self.fn).__name__)
+
+    def replace(self, **fields: Any) -> Step:
+        """This step with ``fields`` changed (a new value; this one is frozen)."""
+        return dataclasses.replace(self, **fields)
 
     def check(self, state: Any, who: str = "fit") -> None:
         """Refuse a train step that cannot train ``state`` here: processes that would drift apart (no
@@ -127,24 +144,18 @@ class StepSpec:
         return metric_naming(state)
 
 
-def attach_spec(step: Callable[..., Any], spec: StepSpec, *aliases: str) -> Callable[..., Any]:
-    """``step`` with ``step.spec = spec``; ``aliases`` name fields also readable as ``step.<field>``, as
-    steps carried them before the spec (deprecated: read ``step.spec.<field>``; kept for one release)."""
-    step.spec = spec  # type: ignore[attr-defined]
-    for name in aliases:
-        setattr(step, name, getattr(spec, name))
-    return step
-
-
-def spec_of(step: Callable[..., Any]) -> StepSpec:
-    """The :class:`StepSpec` a step carries (``step.spec``), or a ``"custom"`` one for a plain function.
+def as_step(fn: Callable[..., Any]) -> Step:
+    """``fn`` as a :class:`Step`: a step itself, the step a :func:`functrain.jit`-compiled step runs (its
+    ``step``), or a ``"custom"`` step around a plain function.
 
     Example:
-        >>> spec_of(lambda state, batch: (state, {})).kind
+        >>> as_step(lambda state, batch: (state, {})).kind
         'custom'
     """
-    spec = getattr(step, "spec", None)
-    return spec if isinstance(spec, StepSpec) else StepSpec()
+    if isinstance(fn, Step):
+        return fn
+    compiled = getattr(fn, "step", None)  # functrain.jit's CompiledStep (jit imports this module)
+    return compiled if isinstance(compiled, Step) else Step(fn)
 
 
 _INPUT_KEYS = ("input", "inputs", "x", "image", "images", "pixel_values", "features")
@@ -439,8 +450,8 @@ def make_train_step(
     freeze_batchnorm: bool = False,
     gradient_reducer: Callable[..., Any] | None = None,
     sharding: Any = None,
-) -> Callable[[Any, Batch], tuple[Any, dict[str, torch.Tensor]]]:
-    """Build a pure ``train_step(state, batch) -> (new_state, metrics)``.
+) -> Step:
+    """Build a pure ``train_step(state, batch) -> (new_state, metrics)`` (a :class:`Step`).
 
     One call runs forward, backward and the optimizer update (``state.tx``); compiled with
     :func:`functrain.jit` it is a single graph.
@@ -610,7 +621,8 @@ def make_train_step(
         )
         return new_state, out
 
-    spec = StepSpec(
+    return Step(
+        train_step,
         kind="train",
         model=model,
         metrics=metrics,
@@ -620,7 +632,6 @@ def make_train_step(
         sharding=sharding,
         masked_batches=True,
     )
-    return attach_spec(train_step, spec, "metrics", "gradient_reducer", "sharding")
 
 
 def _loss_over_real_rows(
@@ -698,8 +709,8 @@ def make_eval_step(
     metrics: Any = None,
     precision: str | None = None,
     return_preds: bool = False,
-) -> Callable[[Any, Batch], dict[str, Any]]:
-    """Build a pure ``eval_step(state, batch) -> dict`` with eval-mode semantics (no dropout, BatchNorm
+) -> Step:
+    """Build a pure ``eval_step(state, batch) -> dict`` (a :class:`Step`) with eval-mode semantics (no dropout, BatchNorm
     uses its running statistics and does not update them, no gradients).
 
     The result holds ``loss`` (0-d), ``num_examples`` (int), ``metrics`` (the collection's state for this
@@ -738,8 +749,7 @@ def make_eval_step(
             out["preds"] = aux.get("preds")
         return out
 
-    spec = StepSpec(kind="eval", model=model, metrics=metrics, masked_batches=True)
-    return attach_spec(eval_step, spec, "metrics")
+    return Step(eval_step, kind="eval", model=model, metrics=metrics, masked_batches=True)
 
 
 def make_predict_step(
@@ -747,8 +757,8 @@ def make_predict_step(
     forward: Callable[[Callable[..., Any], Batch], Any] | None = None,
     *,
     precision: str | None = None,
-) -> Callable[[Any, Batch], Any]:
-    """Build ``predict_step(state, batch) -> outputs`` in eval mode.
+) -> Step:
+    """Build ``predict_step(state, batch) -> outputs`` (a :class:`Step`) in eval mode.
 
     ``forward(model_call, batch)`` defaults to calling the model on the batch's inputs (the first element
     of a tuple, the ``input`` entry of a dict, or the batch itself). A padded batch
@@ -783,4 +793,4 @@ def make_predict_step(
         with torch.no_grad(), _autocast(_device_of(params), cast):
             return fwd(bind(params, state.buffers), batch)
 
-    return attach_spec(predict_step, StepSpec(kind="predict", model=model, masked_batches=True))
+    return Step(predict_step, kind="predict", model=model, masked_batches=True)

@@ -48,6 +48,7 @@ __all__ = [
     "field",
     "flatten",
     "global_norm",
+    "keep_where",
     "leaves",
     "map",
     "map_with_path",
@@ -162,6 +163,25 @@ def map(
         {'a': tensor([2.])}
     """
     return optree.tree_map(fn, tree, *rest, is_leaf=is_leaf, namespace=NAMESPACE)
+
+
+def keep_where(pred: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
+    """``new`` where ``pred`` holds, else ``old``, leaf by leaf: ``torch.where(pred, new_leaf, old_leaf)``
+    for each tensor leaf of ``new`` (``pred``, a bool tensor that broadcasts to it, is moved to its
+    device), ``new``'s own leaf for any other. How a step keeps its old state where the update is not
+    finite (fp16 overflow, ``skip_nonfinite``, ``optim.skip_not_finite``) with no branch, so no host sync.
+
+    Example:
+        >>> keep_where(torch.tensor(False), {"w": torch.ones(2), "n": 3}, {"w": torch.zeros(2), "n": 0})
+        {'w': tensor([0., 0.]), 'n': 3}
+    """
+
+    def pick(new_leaf: Any, old_leaf: Any) -> Any:
+        if not isinstance(new_leaf, torch.Tensor):
+            return new_leaf
+        return torch.where(pred.to(new_leaf.device), new_leaf, old_leaf)
+
+    return map(pick, new, old)
 
 
 def map_with_path(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:

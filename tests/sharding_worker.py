@@ -468,7 +468,7 @@ def trainer(out: dict, directory: str) -> None:
         t = run(level, f"{level}_ema", 2, ema={"decay": 0.8, "evaluate": True})
         state = t.state if level == "none" else t.state.sharding.full_state(t.state)
         out[f"ema/{level}"] = {
-            "average": ft.averaging.averaged_params(state),
+            "average": ft.optim.averaging.averaged_params(state),
             "params": state.params,
             "eval": t.evaluate(),
         }

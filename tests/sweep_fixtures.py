@@ -16,7 +16,7 @@ class DigitsMLP(nn.Module):
 
 
 def digits(split: str = "train", n: int | None = None) -> torch.utils.data.TensorDataset:
-    from functrain.demo import digits_splits
+    from functrain.trainer.demo import digits_splits
 
     index = {"train": 0, "val": 1, "test": 2}[split]
     dataset = digits_splits(0)[index]

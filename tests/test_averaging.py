@@ -1,4 +1,4 @@
-"""EMA / SWA of the params (functrain.averaging) against torch.optim.swa_utils, in float64."""
+"""EMA / SWA of the params (functrain.optim.averaging) against torch.optim.swa_utils, in float64."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch
 from torch.optim import swa_utils
 
 import functrain as ft
-from functrain import averaging, optim
+from functrain import optim
+from functrain.optim import averaging
 
 
 def _mlp() -> torch.nn.Module:
@@ -164,7 +165,7 @@ def test_with_averaged_params_and_eval_callback_swap_back():
     assert torch.equal(swapped.params["2.bias"], averaging.averaged_params(state)["2.bias"])
     assert swapped.opt_state is state.opt_state
 
-    cb = averaging.AveragedEvaluation()
+    cb = ft.callbacks.AveragedEvaluation()
     during = cb.on_eval_begin(state, ft.callbacks.Context())
     assert torch.equal(during.params["0.weight"], swapped.params["0.weight"])
     after = cb.on_eval_end(during, ft.callbacks.Context())
@@ -173,7 +174,7 @@ def test_with_averaged_params_and_eval_callback_swap_back():
 
 def test_missing_average_is_a_clear_error():
     state = ft.TrainState.create(torch.nn.Linear(2, 1), optim.sgd(0.1))
-    with pytest.raises(ValueError, match=r"chain functrain.averaging.ema\(...\) or swa\(...\) last"):
+    with pytest.raises(ValueError, match=r"chain functrain.optim.averaging.ema\(...\) or swa\(...\) last"):
         averaging.averaged_params(state)
 
 
@@ -249,12 +250,12 @@ def test_trainer_ema_config_trains_evaluates_and_predicts_with_the_average(tmp_p
 
     evaluated = trainer.evaluate()
     loader = trainer._loader(trainer.eval_dataset, 16, train=False)
-    step = trainer._jit("eval", trainer.eval_step)
+    step = trainer._jit("eval")
     with_average = ft.evaluate(averaging.with_averaged_params(trainer.state), step, loader)
     live = ft.evaluate(trainer.state, step, loader)
     assert evaluated == with_average != live
     assert result.eval_metrics == with_average  # the in-training evaluation used the average too
-    predict_step = trainer._jit("predict", trainer._predict_step)
+    predict_step = trainer._jit("predict")
     expected = ft.predict(averaging.with_averaged_params(trainer.state), predict_step, loader, collect=True)
     assert torch.equal(trainer.predict(trainer.eval_dataset), expected)
 

@@ -49,6 +49,48 @@ def test_best_rule_never_deletes_the_newest(tmp_path):
     assert manager.all_steps() == [1, 4] and manager.latest() == 4
 
 
+def _both_managers(tmp_path, **retention):
+    from functrain import distributed
+    from functrain.checkpoint.sharded import ShardedCheckpointManager
+
+    return [
+        CheckpointManager(tmp_path / "plain", fsync=False, **retention),
+        ShardedCheckpointManager(tmp_path / "sharded", distributed.fully_shard(), fsync=False, **retention),
+    ]
+
+
+@pytest.mark.parametrize("mode", ["min", "max"])
+def test_nan_is_never_best_nor_kept_as_best_by_either_manager(tmp_path, mode):
+    for manager in _both_managers(tmp_path, max_to_keep=1, best_metric="loss", best_mode=mode):
+        _save_steps(manager, {1: float("nan"), 2: 0.5, 3: float("nan"), 4: 0.7, 5: float("nan")})
+        best = 2 if mode == "min" else 4
+        assert manager.best() == best, type(manager).__name__
+        assert manager.all_steps() == [best, 5], type(manager).__name__  # the newest, and the best number
+        assert torch.equal(manager.restore("best")["w"], torch.full((3,), float(best)))
+
+
+def test_best_of_another_metric_leaves_the_managers_own_unchanged(tmp_path):
+    for manager in _both_managers(tmp_path, best_metric="loss"):
+        for step, loss, acc in [(1, 0.2, 0.5), (2, 0.4, 0.9), (3, 0.3, 0.7)]:
+            manager.save(step, {"w": torch.ones(1)}, metrics={"loss": loss, "acc": acc})
+        assert manager.best(metric="acc", mode="max") == 2, type(manager).__name__
+        assert (manager.best_metric, manager.best_mode) == ("loss", "min")
+        assert manager.best() == 1 and manager.restore("best") is not None
+        _save_steps(manager, {4: 0.9})  # retention still keeps the best by the manager's own metric
+        assert 1 in manager.all_steps(), type(manager).__name__
+
+
+def test_an_unreadable_header_is_skipped_by_latest_best_and_retention_of_either_manager(tmp_path):
+    for manager in _both_managers(tmp_path, max_to_keep=1, best_metric="loss"):
+        _save_steps(manager, {1: 0.1, 2: 0.5})
+        with open(manager.path(2), "wb") as f:  # the step's file (plain) or its manifest (sharded)
+            f.write(b"garbage")
+        with pytest.warns(UserWarning, match="ignoring unreadable checkpoint"):
+            assert manager.latest() == 1 and manager.best() == 1, type(manager).__name__
+        _save_steps(manager, {3: 0.9})  # retention ranks the readable steps
+        assert manager.all_steps() == [1, 3] and manager.latest() == 3 and manager.best() == 1
+
+
 def test_metadata_and_header_without_loading(tmp_path):
     manager = CheckpointManager(tmp_path, fsync=False)
     manager.save(torch.tensor(5), {"w": torch.ones(2)}, metadata={"tied_parameters": {"b": "a"}})

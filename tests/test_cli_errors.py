@@ -263,9 +263,9 @@ def _eval_loss(run: Path, step: int) -> float:
     return next(r["eval/loss"] for r in rows if r.get("step") == step and "eval/loss" in r)
 
 
-def test_demo_flags_are_deprecated_names_of_config_overrides(monkeypatch, capsys):
-    from functrain import demo
+def test_demo_takes_config_overrides(monkeypatch, capsys):
     from functrain.cli import main
+    from functrain.trainer import demo
 
     seen = {}
 
@@ -274,13 +274,9 @@ def test_demo_flags_are_deprecated_names_of_config_overrides(monkeypatch, capsys
         return {"eval/accuracy": 1.0}
 
     monkeypatch.setattr(demo, "run", run)
-    with pytest.warns(DeprecationWarning, match="--epochs is deprecated"):
-        assert main(["demo", "--epochs", "2", "--no-compile", "--output-dir", "My Runs/d", "seed=1"]) == 0
+    assert main(["demo", "output_dir=My Runs/d", "epochs=2", "compile=false", "seed=1"]) == 0
     assert seen["overrides"] == ["output_dir=My Runs/d", "epochs=2", "compile=false", "seed=1"]
-    err = capsys.readouterr().err
-    assert (
-        "functrain demo: --no-compile is deprecated and goes in the next release; write compile=false" in err
-    )
+    assert seen["output_dir"] == "runs/demo"  # the default, which the output_dir override replaces
     assert main(["demo", "epochs=2"]) == 0 and seen["overrides"] == ["epochs=2"]
     assert capsys.readouterr().err == ""
 

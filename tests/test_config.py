@@ -504,3 +504,15 @@ def test_config_specs_are_checked_but_not_called() -> None:
     config = TrainerConfig(epochs=1, model={"target": "torch.nn:Linear", "args": [3, 1]})
     assert config.model == {"target": "torch.nn:Linear", "args": [3, 1]}
     assert isinstance(resolve_object(config.model, path="model"), torch.nn.Linear)
+
+
+def test_criterion_from_keywords_yaml_and_overrides_is_one_config_and_a_bad_name_names_its_line():
+    new = TrainerConfig(epochs=1, criterion={"name": "MSELoss", "args": {"reduction": "sum"}})
+    assert TrainerConfig.from_yaml("epochs: 1\ncriterion: {name: MSELoss, args: {reduction: sum}}") == new
+    assert (
+        TrainerConfig(epochs=1).with_overrides(["criterion.name=MSELoss", "criterion.args.reduction=sum"])
+        == new
+    )
+    assert "loss" not in new.to_dict() and new.to_dict()["criterion"]["name"] == "MSELoss"
+    with pytest.raises(ConfigError, match=r"criterion.name \(line 2\): unknown torch.nn loss 'MSELos'"):
+        TrainerConfig.from_yaml("epochs: 1\ncriterion: MSELos\n")

@@ -237,8 +237,8 @@ def test_donation_gives_the_pure_result_and_metric_states_are_per_member():
         b, _ = donating(b, batch)
     assert _equal(a, b)
     with pytest.raises(ValueError, match="member count is not known yet"):
-        pure.metrics.empty()
-    per_member = pure.metrics.compute(a.metrics)["accuracy"]
+        pure.step.metrics.empty()
+    per_member = pure.step.metrics.compute(a.metrics)["accuracy"]
     assert per_member.shape == (3,)
     single = ft.jit(train_step, compile=False)
     for i in range(3):
@@ -246,7 +246,7 @@ def test_donation_gives_the_pure_result_and_metric_states_are_per_member():
         for batch in batches:
             s, _ = single(s, batch)
         assert float(collection.compute(s.metrics)["accuracy"]) == float(per_member[i])
-    empty = pure.metrics.empty()
+    empty = pure.step.metrics.empty()
     assert tree.leaves(empty)[0].shape[0] == 3
 
 

@@ -13,8 +13,9 @@ from sweep_fixtures import DigitsMLP, digits
 import functrain as ft
 from functrain.cli import main as cli
 from functrain.config import ConfigError
-from functrain.ensemble import sweep as ens_sweep
+from functrain.ensemble.grid import grid
 from functrain.logging import History
+from functrain.trainer import sweep as trainer_sweep
 
 HERE = Path(__file__).parent
 
@@ -50,7 +51,7 @@ def test_bad_sweeps_name_the_field(sweep, path, words):
 
 
 def test_grid_orders_members_with_the_last_key_fastest():
-    members = ens_sweep.grid({"optimizer.lr": [1, 2], "seed": [0, 1, 2]})
+    members = grid({"optimizer.lr": [1, 2], "seed": [0, 1, 2]})
     assert len(members) == 6 and members[1] == {"optimizer.lr": 1, "seed": 1}
     assert members[3] == {"optimizer.lr": 2, "seed": 0}
 
@@ -130,7 +131,7 @@ def test_plot_sweep_draws_every_member_and_leaves_the_backend_alone(tmp_path):
     backend = matplotlib.get_backend()
     try:
         matplotlib.use("svg")  # e.g. a notebook's inline backend: plotting must not switch it to Agg
-        png = ens_sweep.plot_sweep(history, [{"seed": 0}, {"seed": 1}], tmp_path / "curves.png")
+        png = trainer_sweep.plot_sweep(history, [{"seed": 0}, {"seed": 1}], tmp_path / "curves.png")
         assert matplotlib.get_backend() == "svg"
     finally:
         matplotlib.use(backend)

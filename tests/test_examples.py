@@ -1,8 +1,12 @@
-"""Every example runs as a newcomer would run it (small: FUNCTRAIN_SMALL=1), the notebook headless."""
+"""Every example runs as a newcomer would run it (small: FUNCTRAIN_SMALL=1), the notebooks headless."""
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +37,71 @@ def test_every_example_is_listed():
     ]
 
 
+def _quick_start_commands() -> list[str]:
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    section = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    return [
+        line.strip()
+        for block in re.findall(r"```bash\n(.*?)```", section, re.S)
+        for line in block.splitlines()
+    ]
+
+
+def test_readme_quick_start_pins_the_cpu_torch_ci_tests_and_its_test_command_is_cis():
+    """Verbatim on a fresh machine: torch is installed first, pinned to CI's version, from the CPU index
+    (PyPI's default is the CUDA build); the test command is the one .ci/run runs after pinning torch."""
+    commands = _quick_start_commands()
+    ci = (EXAMPLES.parent / ".ci" / "run").read_text()
+    (full,) = re.findall(r"^FULL=(\S+)$", ci, re.M)
+    torch_installs = [c for c in commands if re.search(r"pip install torch\b", c)]
+    assert torch_installs and all(
+        f"pip install torch=={full} --index-url https://download.pytorch.org/whl/cpu" in c
+        for c in torch_installs
+    ), torch_installs
+    assert commands[-1].endswith('&& pip install -e ".[dev]" && python -m pytest'), commands
+    assert all(c.startswith("python3 -m venv .venv && ") for c in commands), "one command each, fresh venv"
+    assert re.search(r'^python -m pip install -q -e "\.\[dev\]"$', ci, re.M), (
+        "CI installs what the README says"
+    )
+    assert re.search(r"^python -m pytest -q", ci, re.M), "CI runs the README's test command"
+    assert ci.index("pip install -q torch==$FULL") < ci.index('-e ".[dev]"'), "CI pins torch first"
+
+
+def _imported_modules(example: Path) -> set[str]:
+    if example.suffix == ".ipynb":
+        cells = json.loads(example.read_text())["cells"]
+        source = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+    else:
+        source = example.read_text()
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names - set(sys.stdlib_module_names)
+
+
+def test_the_examples_extra_installs_every_package_an_example_imports():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((EXAMPLES.parent / "pyproject.toml").read_text())["project"]
+
+    def names(requirements: list[str]) -> set[str]:
+        return {re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].lower() for r in requirements}
+
+    provided = names(project["dependencies"]) | names(project["optional-dependencies"]["examples"])
+    distributions = importlib.metadata.packages_distributions()  # module -> the packages that install it
+    missing = {}
+    for example in sorted(EXAMPLES.glob("*.py")) + sorted(EXAMPLES.glob("*.ipynb")):
+        for module in _imported_modules(example) - {"functrain"}:
+            wanted = {d.lower() for d in distributions.get(module, [module])}
+            if not wanted & provided:
+                missing.setdefault(example.name, []).append(module)
+    assert missing == {}, (
+        f'pip install -e ".[examples]" does not install what these examples import: {missing}'
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_example_runs(script: str, tmp_path: Path):
@@ -49,20 +118,31 @@ def test_example_runs(script: str, tmp_path: Path):
         assert (tmp_path / "fit_run" / "curves.png").stat().st_size > 1000
 
 
+def _files(folder: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``folder``, ignored ones too, with its size and modification time."""
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
+
+
 @pytest.mark.slow
-def test_notebook_executes_headless(tmp_path: Path, monkeypatch):
+@pytest.mark.parametrize("notebook", ["train_digits.ipynb", "05_sweep.ipynb"])
+def test_notebook_executes_headless_and_writes_nothing_beside_it(notebook: str, tmp_path: Path, monkeypatch):
+    """As ``jupyter execute examples/NOTEBOOK`` runs it: the kernel in examples/, no FUNCTRAIN_PLOT."""
     nbformat = pytest.importorskip("nbformat")
     from nbclient import NotebookClient
 
     for key, value in small_env(tmp_path).items():
         monkeypatch.setenv(key, value)
+    monkeypatch.delenv("FUNCTRAIN_PLOT")  # a newcomer sets none: the figure is shown, not saved
     monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's own default: inline
-    nb = nbformat.read(EXAMPLES / "train_digits.ipynb", as_version=4)
+    before = _files(EXAMPLES)
+    nb = nbformat.read(EXAMPLES / notebook, as_version=4)
     NotebookClient(
-        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
-    ).execute()
-    assert (tmp_path / "curves.png").stat().st_size > 1000  # execute() raised on any error cell
-    # the figure is shown inline, in the plotting cell's outputs, not only saved
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(EXAMPLES)}}
+    ).execute()  # raises on any error cell
+    after = _files(EXAMPLES)
+    changed = sorted(k for k in after.keys() | before.keys() if after.get(k) != before.get(k))
+    assert changed == [], f"running {notebook} wrote into examples/: {changed}"
+    # the figure is shown inline, in the plotting cell's outputs
     shown = [
         out
         for cell in nb.cells
@@ -93,4 +173,7 @@ def test_sharded_example_under_torchrun_halves_the_state_per_rank(tmp_path: Path
     assert sorted(r for r, _, _ in held) == ["0", "1"], out.stdout
     for _, mine, whole in held:
         assert int(mine) <= 0.55 * int(whole), out.stdout
-    assert "accuracy" in out.stdout
+    # what it is doing, one line per epoch from rank 0 only, and what to expect
+    epoch_line = r"^epoch (\d)/2: train loss [\d.]+ \| eval loss [\d.]+, accuracy [\d.]+$"
+    assert re.findall(epoch_line, out.stdout, re.M) == ["1", "2"], out.stdout
+    assert re.search(r"accuracy [\d.]+ \(expected with the defaults: ", out.stdout), out.stdout

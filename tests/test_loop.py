@@ -397,3 +397,24 @@ def test_a_final_stop_stays_final_whatever_the_callback_order():
     control = Control()
     control.stop("preempted", final=False)
     assert control.should_stop and not control.stop_is_final
+
+
+def test_callbacks_read_fits_log_steps_from_the_context():
+    class Seen(ft.callbacks.Callback):
+        def on_train_begin(self, state, ctx):
+            self.log_steps = ctx.log_steps
+            return state
+
+    _, state, train_step, _ = setup()
+    seen = Seen()
+    ft.fit(
+        state,
+        train_step,
+        dataset(40),
+        batch_size=8,
+        epochs=1,
+        log_steps=3,
+        callbacks=[seen],
+        progress_bar=False,
+    )
+    assert seen.log_steps == 3

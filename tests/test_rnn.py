@@ -1,4 +1,4 @@
-"""Recurrent modules as tensor loops (functrain.rnn): torch's outputs and gradients, and compiled steps."""
+"""Recurrent modules as tensor loops (functrain.compile.rnn): torch's outputs and gradients, and compiled steps."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import functrain as ft
-from functrain.rnn import functional_rnns, rnn_forward
+from functrain.compile.rnn import functional_rnns, rnn_forward
 
 CASES = [
     (nn.GRU, {}),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -43,6 +44,25 @@ def test_step_is_pure_and_deterministic():
     assert torch.equal(m1["loss"], m2["loss"])
     assert int(s1.step) == 1 and int(state.step) == 0
     assert not _bitwise_equal(before, _snapshot(s1)), "the step changed nothing"
+
+
+def test_a_step_is_a_frozen_value_whose_fields_jit_reads():
+    model = mlp()
+    step = ft.make_train_step(model, ft.supervised_loss(F.cross_entropy))
+    assert step.kind == "train" and step.model is model and step.settle is not None and step.masked_batches
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        step.masked_batches = False  # nothing is patched onto a step: a changed step is a new value
+    unpadded = step.replace(masked_batches=False)
+    assert step.masked_batches and not unpadded.masked_batches and unpadded.fn is step.fn
+    compiled = ft.jit(unpadded, compile=False)
+    assert compiled.step is unpadded and ft.step.as_step(compiled) is unpadded
+    assert not hasattr(compiled, "metrics") and not hasattr(step.fn, "spec")  # no aliases, no attributes
+    assert ft.step.as_step(step.fn).kind == "custom"  # a plain function
+    state, batch = ft.TrainState.create(model, ft.optim.sgd(0.1), seed=0), classification_batch()
+    new, metrics = compiled(state, batch)
+    reference, ref_metrics = step(state, batch)
+    assert torch.equal(metrics["loss"], ref_metrics["loss"])
+    assert all(torch.equal(new.params[k], reference.params[k]) for k in reference.params)
 
 
 def test_step_seed_depends_on_step_and_key():

@@ -6,7 +6,12 @@ import torch
 from torch import nn
 
 import functrain as ft
-from functrain.tasks import ImageClassificationTrainer, SegmentationTrainer, random_hflip, random_translate
+from functrain.trainer.tasks import (
+    ImageClassificationTrainer,
+    SegmentationTrainer,
+    random_hflip,
+    random_translate,
+)
 
 
 def images(n=32, classes=2, seed=0):

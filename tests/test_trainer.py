@@ -425,7 +425,7 @@ def test_cli_help_config_lists_fields(capsys):
 
 
 def test_demo_runs_small(tmp_path: Path):
-    from functrain import demo
+    from functrain.trainer import demo
 
     results = demo.run(str(tmp_path / "demo"), epochs=1, compile=False, progress_bar=False, tensorboard=False)
     assert results["eval/accuracy"] > 0.6
@@ -494,18 +494,18 @@ def test_compile_cache_in_the_run_directory_is_opt_in(tmp_path: Path):
     default = ft.Trainer(
         SmallNet(), small_config(tmp_path, compile=True, eval_strategy="no"), make_dataset(32)
     )
-    assert default._jit("train", default.train_step).cache_dir is None  # opt-in: the files are pickles
+    assert default._jit("train").cache_dir is None  # opt-in: the files are pickles
     trainer = ft.Trainer(
         SmallNet(),
         small_config(tmp_path, compile=True, compile_cache=True, eval_strategy="no"),
         make_dataset(32),
     )
-    step = trainer._jit("train", trainer.train_step)  # wrapping compiles nothing yet
+    step = trainer._jit("train")  # wrapping compiles nothing yet
     assert Path(step.cache_dir) == tmp_path / "run" / COMPILE_CACHE_DIR
     (tmp_path / "run" / COMPILE_CACHE_DIR).mkdir(parents=True)
     assert run_dir.resolve(trainer.config) == tmp_path / "run"  # not a run: no new version for it
     eager = ft.Trainer(SmallNet(), small_config(tmp_path / "e", eval_strategy="no"), make_dataset(32))
-    assert eager._jit("train", eager.train_step).cache_dir is None
+    assert eager._jit("train").cache_dir is None
 
 
 def test_train_closes_its_loggers_when_training_fails(tmp_path: Path, monkeypatch):

@@ -121,21 +121,9 @@ def test_loss_fn_is_a_trainer_parameter_as_the_key_error_hint_says(tmp_path: Pat
     assert int(result.state.step) == 2 and calls
 
 
-def test_trainer_loss_is_a_deprecated_alias_of_criterion(tmp_path: Path):
+def test_trainer_criterion_is_kept_and_excludes_loss_fn(tmp_path: Path):
     config = quiet_config(tmp_path, epochs=1, eval_strategy="no")
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
-    with pytest.warns(DeprecationWarning, match="criterion="):
-        old = ft.Trainer(SmallNet(), config, make_dataset(32), loss=criterion)
-    new = ft.Trainer(SmallNet(), config, make_dataset(32), criterion=criterion)
-    assert old.criterion is new.criterion is criterion
+    assert ft.Trainer(SmallNet(), config, make_dataset(32), criterion=criterion).criterion is criterion
     with pytest.raises(TypeError, match="not both"):
         ft.Trainer(SmallNet(), config, make_dataset(32), criterion=criterion, loss_fn=lambda m, b: 0)
-
-
-def test_fit_progress_is_a_deprecated_alias_of_progress_bar():
-    model = torch.nn.Linear(6, 3)
-    state = ft.TrainState.create(model, ft.optim.sgd(0.1))
-    step = ft.make_train_step(model, ft.supervised_loss(torch.nn.functional.cross_entropy))
-    with pytest.warns(DeprecationWarning, match="progress_bar"):
-        result = ft.fit(state, step, make_dataset(16), batch_size=8, epochs=1, progress=False)
-    assert int(result.state.step) == 2

@@ -23,7 +23,7 @@ class AveragedEvaluation(Callback):
 
     Example:
         >>> import functrain as ft
-        >>> callbacks = [ft.averaging.AveragedEvaluation()]
+        >>> callbacks = [ft.callbacks.AveragedEvaluation()]
     """
 
     name = "AveragedEvaluation"

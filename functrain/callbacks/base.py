@@ -34,7 +34,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -109,7 +108,7 @@ class Context:
         step: optimizer steps done (a Python int the loop keeps: reading it never syncs).
         epoch: the current epoch (0-based); ``batch_index``: batches done in it.
         batches_per_epoch, max_steps: the run's length (``None`` when unknown); ``log_steps``: how often
-            the loop logs (``log_every`` is its deprecated name); ``logging_step``: whether the loop logs
+            the loop logs; ``logging_step``: whether the loop logs
             after this step's ``step_end`` (callbacks that put values in ``history`` do it then, and they
             are written with the rest).
         metrics: the last train step's metrics, as tensors (call ``float()`` only when you need a value:
@@ -142,16 +141,6 @@ class Context:
     checkpoint_path: str | None = None
     phase: str = "train"
     compiles: int = 0
-
-    @property
-    def log_every(self) -> int:
-        """Deprecated name of :attr:`log_steps` (goes in the next release)."""
-        warnings.warn(
-            "Context.log_every is deprecated and goes in the next release: read Context.log_steps",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.log_steps
 
 
 class Callback:

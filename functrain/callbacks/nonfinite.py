@@ -28,11 +28,12 @@ import torch
 from functrain import tree
 from functrain.callbacks.base import Callback, Context
 from functrain.callbacks.monitors import NonFiniteLossError
+from functrain.step import Step, as_step
 
 __all__ = ["SkippedSteps", "skip_nonfinite"]
 
 
-def skip_nonfinite(train_step: Callable[[Any, Any], tuple[Any, dict[str, Any]]]) -> Callable[..., Any]:
+def skip_nonfinite(train_step: Callable[[Any, Any], tuple[Any, dict[str, Any]]]) -> Step:
     """``train_step`` whose steps with a non-finite loss or gradient norm leave the state as it was
     (except its step count) and report ``metrics["skipped"] = 1.0`` (else ``0.0``).
 
@@ -49,28 +50,24 @@ def skip_nonfinite(train_step: Callable[[Any, Any], tuple[Any, dict[str, Any]]])
         (1.0, True)
     """
 
-    @functools.wraps(train_step)
+    inner = as_step(train_step)  # the same step (model, settling forward, ...) around another function
+
+    @functools.wraps(inner.fn)
     def skipping_step(state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
         # Never donated=True (jit passes it only to a step that declares it): a skipped step returns the
         # incoming tensors, so the update must not write into them.
-        new, metrics = train_step(state, batch)
+        new, metrics = inner.fn(state, batch)
         finite = torch.isfinite(metrics["loss"]).all()
         if "grad_norm" in metrics and getattr(state, "loss_scale", None) is None:
             finite = finite & torch.isfinite(metrics["grad_norm"]).all()
-
-        def keep(new_leaf: Any, old_leaf: Any) -> Any:
-            if not isinstance(new_leaf, torch.Tensor):
-                return new_leaf
-            return torch.where(finite.to(new_leaf.device), new_leaf, old_leaf)
-
         kept = {
-            name: tree.map(keep, getattr(new, name), getattr(state, name))
+            name: tree.keep_where(finite, getattr(new, name), getattr(state, name))
             for name in ("params", "buffers", "opt_state", "metrics")
             if getattr(new, name, None) is not None
         }
         return new.replace(**kept), {**metrics, "skipped": (~finite).float()}
 
-    return skipping_step
+    return inner.replace(fn=skipping_step)
 
 
 class SkippedSteps(Callback):

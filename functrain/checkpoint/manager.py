@@ -23,7 +23,6 @@ import os
 import re
 import threading
 import time
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -34,17 +33,15 @@ from functrain.checkpoint import file as checkpoint_file
 from functrain.checkpoint import format as fmt
 from functrain.checkpoint import structure
 from functrain.checkpoint.errors import CheckpointError
-from functrain.checkpoint.format import CheckpointHeader
+from functrain.checkpoint.folder import CheckpointFolder
 from functrain.distributed.env import is_main_process
 
 __all__ = ["CheckpointManager"]
 
 _NAME = re.compile(r"^step_(\d+)\.ckpt$")
-# (path, (mtime_ns, size)) of the unreadable checkpoint files already warned about in this process
-_WARNED_UNREADABLE: set[tuple[str, tuple[int, int]]] = set()
 
 
-class CheckpointManager:
+class CheckpointManager(CheckpointFolder):
     """Save, keep and restore the checkpoints of one run in ``directory``.
 
     Retention: the newest checkpoint is always kept; also the last ``max_to_keep`` (``None``: all),
@@ -78,27 +75,11 @@ class CheckpointManager:
         is_writer: bool | Callable[[], bool] | None = None,
         chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES,
     ) -> None:
-        if max_to_keep is not None and max_to_keep < 1:
-            raise ValueError(
-                f"max_to_keep={max_to_keep} must be at least 1, or None to keep every checkpoint"
-            )
-        if keep_every is not None and keep_every < 1:
-            raise ValueError(f"keep_every={keep_every} must be a positive number of steps, or None")
-        if best_mode not in ("min", "max"):
-            raise ValueError(f"best_mode={best_mode!r} must be 'min' or 'max'")
-        if keep_best < 0:
-            raise ValueError(f"keep_best={keep_best} must be 0 or more")
-        self.directory = os.fspath(directory)
-        self.max_to_keep = max_to_keep
-        self.keep_every = keep_every
-        self.best_metric = best_metric
-        self.best_mode = best_mode
-        self.keep_best = keep_best
+        super().__init__(directory, max_to_keep, keep_every, best_metric, best_mode, keep_best)
         self.async_save = async_save
         self.fsync = fsync
         self.chunk_bytes = chunk_bytes
         self._is_writer = is_main_process if is_writer is None else is_writer
-        self._headers: dict[str, tuple[tuple[int, int], CheckpointHeader | CheckpointError]] = {}
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._closed = False
@@ -127,83 +108,6 @@ class CheckpointManager:
         except FileNotFoundError:
             return []
         return sorted(int(match.group(1)) for name in names if (match := _NAME.match(name)))
-
-    def latest(self) -> int | None:
-        """The newest step whose header reads, or ``None`` when the folder holds no checkpoint."""
-        for step in reversed(self.all_steps()):
-            if self._readable_header(step) is not None:
-                return step
-        return None
-
-    def header(self, step: int) -> CheckpointHeader:
-        """The header of the checkpoint at ``step`` (cached; no tensor is read)."""
-        header = self._cached_header(step)
-        if header is None:
-            raise CheckpointError(f"{self.path(step)}: no checkpoint at step {step}")
-        if isinstance(header, CheckpointError):
-            raise CheckpointError(str(header)) from None  # what is wrong with the file
-        return header
-
-    def metrics(self, step: int) -> dict[str, Any]:
-        """The metrics saved with ``step``, read from its header.
-
-        Example:
-            >>> manager.metrics(500)  # doctest: +SKIP
-            {'val_loss': 0.31}
-        """
-        return dict(self.header(step).metrics)
-
-    def best(self, metric: str | None = None, mode: Literal["min", "max"] | None = None) -> int | None:
-        """The step with the best ``metric`` (default: ``best_metric``), or ``None`` if none recorded it."""
-        metric = metric or self.best_metric
-        if metric is None:
-            raise ValueError(
-                "best() needs a metric: pass best(metric=...) or CheckpointManager(best_metric=...)"
-            )
-        ranked = self._ranked(metric, mode or self.best_mode)
-        return ranked[0] if ranked else None
-
-    def _cached_header(self, step: int) -> CheckpointHeader | CheckpointError | None:
-        """The header at ``step``, the error its file gives, or ``None`` without a file; each file version
-        is read once."""
-        path = self.path(step)
-        try:
-            stat = os.stat(path)
-        except FileNotFoundError:
-            return None
-        version = (stat.st_mtime_ns, stat.st_size)
-        cached = self._headers.get(path)
-        if cached is not None and cached[0] == version:
-            return cached[1]
-        header: CheckpointHeader | CheckpointError
-        try:
-            header = checkpoint_file.read_header(path)
-        except CheckpointError as error:
-            header = error
-        self._headers[path] = (version, header)
-        return header
-
-    def _readable_header(self, step: int) -> CheckpointHeader | None:
-        """The header at ``step``, or ``None``: an unreadable file is skipped, and warned about once per
-        process (``latest()``, ``best()`` and retention all ask, from more than one manager)."""
-        header = self._cached_header(step)
-        if isinstance(header, CheckpointError):
-            path = self.path(step)
-            seen = (path, self._headers[path][0])  # a new version of the file is news again
-            if seen not in _WARNED_UNREADABLE:
-                _WARNED_UNREADABLE.add(seen)
-                warnings.warn(f"ignoring unreadable checkpoint: {header}", stacklevel=3)
-            return None
-        return header
-
-    def _ranked(self, metric: str, mode: str) -> list[int]:
-        scored = []
-        for step in self.all_steps():
-            header = self._readable_header(step)
-            value = None if header is None else header.metrics.get(metric)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:  # not NaN
-                scored.append((value if mode == "min" else -value, -step, step))
-        return [step for *_, step in sorted(scored)]
 
     # ----------------------------------------------------------------------------------------- saving
 
@@ -281,18 +185,13 @@ class CheckpointManager:
         steps = self.all_steps()
         if not steps:
             return
-        keep = {steps[-1]}
-        keep.update(steps if self.max_to_keep is None else steps[-self.max_to_keep :])
-        if self.keep_every:
-            keep.update(s for s in steps if s % self.keep_every == 0)
-        if self.best_metric is not None and self.keep_best:
-            keep.update(self._ranked(self.best_metric, self.best_mode)[: self.keep_best])
+        keep = self._kept(steps)
         removed = False
         for step in steps:
             if step not in keep:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(self.path(step))
-                self._headers.pop(self.path(step), None)
+                self._forget(step)
                 removed = True
         if removed and self.fsync:
             fsync_directory(self.directory)
@@ -349,21 +248,7 @@ class CheckpointManager:
             >>> state = manager.restore("latest", target=state)  # doctest: +SKIP
         """
         self.wait_until_finished()
-        if which == "latest":
-            step = self.latest()
-        elif which == "best":
-            step = self.best()
-        elif isinstance(which, int) and not isinstance(which, bool):
-            step = which
-            if step not in self.all_steps():
-                raise CheckpointError(
-                    f"no checkpoint of step {step} in {self.directory}; have {self.all_steps()}"
-                )
-        else:
-            raise ValueError(f"which={which!r} must be 'latest', 'best' or a step number")
-        if step is None:
-            raise CheckpointError(f"no checkpoint to restore as {which!r} in {self.directory}")
-        return checkpoint_file.restore(self.path(step), target=target)
+        return checkpoint_file.restore(self.path(self._step_of(which)), target=target)
 
 
 def _refuse_sharded(state: Any) -> None:

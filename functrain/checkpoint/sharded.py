@@ -31,7 +31,7 @@ import os
 import re
 import shutil
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,7 @@ from functrain.checkpoint import file as checkpoint_file
 from functrain.checkpoint import format as fmt
 from functrain.checkpoint import structure
 from functrain.checkpoint.errors import CheckpointError
+from functrain.checkpoint.folder import CheckpointFolder
 from functrain.checkpoint.onto import fit_checkpoint_hint
 from functrain.distributed.sharding import local_rows
 
@@ -218,13 +219,17 @@ def remove_uncommitted(directory: str | os.PathLike[str]) -> list[int]:
     return sorted(removed)
 
 
-def _manifest(directory: str | os.PathLike[str], step: int) -> dict[str, Any]:
+def _manifest_header(directory: str | os.PathLike[str], step: int) -> fmt.CheckpointHeader:
+    """The header of ``step``'s manifest (its metrics and metadata); raises unless it is one."""
     path = os.path.join(_step_dir(directory, step), MANIFEST)
     header = checkpoint_file.read_header(path)
-    manifest = header.metadata.get(_KEY)
-    if not isinstance(manifest, dict) or header.step != step:
+    if not isinstance(header.metadata.get(_KEY), dict) or header.step != step:
         raise CheckpointError(f"{path} is not the manifest of a sharded checkpoint of step {step}")
-    return manifest
+    return header
+
+
+def _manifest(directory: str | os.PathLike[str], step: int) -> dict[str, Any]:
+    return _manifest_header(directory, step).metadata[_KEY]
 
 
 class _Source:
@@ -405,13 +410,14 @@ def _trim(source: _Source, where: str, value: torch.Tensor) -> torch.Tensor:
     return value[: (shape[0] if shape else 1)].reshape(shape).clone()
 
 
-class ShardedCheckpointManager:
+class ShardedCheckpointManager(CheckpointFolder):
     """A folder of sharded checkpoints with :class:`~functrain.checkpoint.CheckpointManager`'s interface,
     so ``fit(..., checkpoints=ShardedCheckpointManager(dir, sharding))`` saves and resumes a sharded run.
 
-    Every rank saves (its own file); rank 0 commits the manifest and applies retention (the last
-    ``max_to_keep`` steps, and the ``keep_best`` best by ``best_metric``). ``restore(which)`` without a
-    target returns plain containers holding this rank's rows for ``sharding`` (any saved world size).
+    Every rank saves (its own file); rank 0 commits the manifest and applies retention, the
+    ``CheckpointManager``'s rules (:class:`~functrain.checkpoint.folder.CheckpointFolder`). Metrics,
+    latest and best are read from the manifests. ``restore(which)`` without a target returns plain
+    containers holding this rank's rows for ``sharding`` (any saved world size).
 
     Example:
         >>> manager = ShardedCheckpointManager("runs/a", distributed.fully_shard())  # doctest: +SKIP
@@ -424,21 +430,15 @@ class ShardedCheckpointManager:
         sharding: Any,
         *,
         max_to_keep: int | None = 5,
+        keep_every: int | None = None,
         best_metric: str | None = None,
-        best_mode: str = "min",
+        best_mode: Literal["min", "max"] = "min",
         keep_best: int = 1,
         fsync: bool = True,
     ) -> None:
-        if max_to_keep is not None and max_to_keep < 1:
-            raise ValueError(
-                f"max_to_keep={max_to_keep} must be at least 1, or None to keep every checkpoint"
-            )
-        if best_mode not in ("min", "max"):
-            raise ValueError(f"best_mode={best_mode!r} must be 'min' or 'max'")
-        self.directory = os.fspath(directory)
+        super().__init__(directory, max_to_keep, keep_every, best_metric, best_mode, keep_best)
         self.sharding = sharding
-        self.max_to_keep, self.fsync = max_to_keep, fsync
-        self.best_metric, self.best_mode, self.keep_best = best_metric, best_mode, keep_best
+        self.fsync = fsync
 
     @property
     def is_writer(self) -> bool:
@@ -453,27 +453,8 @@ class ShardedCheckpointManager:
         """Committed steps, ascending."""
         return sharded_steps(self.directory)
 
-    def latest(self) -> int | None:
-        """The newest committed step, or ``None``."""
-        return latest_sharded(self.directory)
-
-    def metrics(self, step: int) -> dict[str, Any]:
-        """The metrics saved with ``step``."""
-        return checkpoint_file.read_header(self.path(step)).metrics
-
-    def _ranked(self) -> list[int]:
-        scored = [(s, self.metrics(s).get(self.best_metric)) for s in self.all_steps()]
-        scored = [(s, v) for s, v in scored if isinstance(v, int | float)]
-        return [s for s, _ in sorted(scored, key=lambda sv: sv[1], reverse=self.best_mode == "max")]
-
-    def best(self, metric: str | None = None, mode: str | None = None) -> int | None:
-        """The best committed step by ``best_metric``, or ``None``."""
-        if metric is not None or mode is not None:
-            self.best_metric, self.best_mode = metric or self.best_metric, mode or self.best_mode
-        if self.best_metric is None:
-            return None
-        ranked = self._ranked()
-        return ranked[0] if ranked else None
+    def _read_header(self, step: int) -> fmt.CheckpointHeader:
+        return _manifest_header(self.directory, step)
 
     def save(
         self,
@@ -490,23 +471,17 @@ class ShardedCheckpointManager:
         save_sharded(self.directory, step, state, metrics=plain, metadata=metadata, fsync=self.fsync)
         if self.sharding.rank == 0:
             steps = self.all_steps()
-            keep = {steps[-1]}
-            keep.update(steps if self.max_to_keep is None else steps[-self.max_to_keep :])
-            if self.best_metric is not None and self.keep_best:
-                keep.update(self._ranked()[: self.keep_best])
+            keep = self._kept(steps)
             for old in steps:
                 if old not in keep:
                     with contextlib.suppress(FileNotFoundError):
                         os.remove(self.path(old))  # uncommit first
                     shutil.rmtree(_step_dir(self.directory, old), ignore_errors=True)
+                    self._forget(old)
 
     def restore(self, which: int | str = "latest", target: Any = None) -> Any:
         """``"latest"``, ``"best"`` or a step; onto ``target``, or as plain containers of this rank's rows."""
-        step = self.latest() if which == "latest" else self.best() if which == "best" else which
-        if not isinstance(step, int) or step not in self.all_steps():
-            raise CheckpointError(
-                f"no sharded checkpoint {which!r} in {self.directory}; have {self.all_steps()}"
-            )
+        step = self._step_of(which)
         if target is not None:
             return restore_sharded(self.directory, target, step=step)
         return restore_sharded(self.directory, step=step, sharding=self.sharding)

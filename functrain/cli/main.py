@@ -27,7 +27,6 @@ import json
 import os
 import shlex
 import sys
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -269,30 +268,10 @@ def _summary(args: argparse.Namespace) -> int:
     return 0
 
 
-# The demo's old flags, each a second name of a config field: `epochs=3` works as in every command.
-_DEMO_FLAGS = {"output_dir": "--output-dir", "epochs": "--epochs", "compile": "--no-compile"}
-
-
 def _demo(args: argparse.Namespace) -> int:
-    from functrain import demo
+    from functrain.trainer import demo
 
-    given = {
-        "output_dir": args.output_dir,
-        "epochs": args.epochs,
-        "compile": False if args.no_compile else None,
-    }
-    renamed = [
-        f"{field}={'false' if value is False else value}"
-        for field, value in given.items()
-        if value is not None
-    ]
-    for override in renamed:
-        field = override.partition("=")[0]
-        message = f"{_DEMO_FLAGS[field]} is deprecated and goes in the next release; write {override}"
-        warnings.warn(message, DeprecationWarning, stacklevel=1)
-        print(f"functrain demo: {message}", file=sys.stderr)
-    overrides = [*renamed, *args.overrides]  # the KEY=VALUE ones last: they win
-    results = demo.run("runs/demo", overrides=overrides, overwrite_output_dir=True)
+    results = demo.run("runs/demo", overrides=args.overrides, overwrite_output_dir=True)
     return 0 if results["eval/accuracy"] > 0 else 1
 
 
@@ -376,11 +355,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="train a small CNN on scikit-learn's digits (CPU, ~1 minute)")
     demo.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    demo.add_argument(
-        "--output-dir", default=None, help="deprecated: write output_dir=DIR (default runs/demo)"
-    )
-    demo.add_argument("--epochs", type=int, default=None, help="deprecated: write epochs=N")
-    demo.add_argument("--no-compile", action="store_true", help="deprecated: write compile=false")
     demo.set_defaults(func=_demo)
 
     checkpoint_cli.register(sub)
@@ -406,9 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(build_parser(), argv)  # a bad command line: argparse's usage and status 2
     debug = debug_requested(args.debug)
     try:
-        with warnings.catch_warnings():
-            _show_config_deprecations(args.command)
-            status = int(args.func(args) or 0)
+        status = int(args.func(args) or 0)
         sys.stdout.flush()  # a short output meets a closed pipe only here
         return status
     except BrokenPipeError:
@@ -444,23 +416,6 @@ def run(argv: Sequence[str] | None = None) -> None:
         logging.shutdown()
         os._exit(status)
     sys.exit(status)
-
-
-def _show_config_deprecations(command: str) -> None:
-    """A run.yaml's deprecated field names, once each, as one ``functrain COMMAND:`` line (Python hides
-    a ``DeprecationWarning`` raised outside ``__main__``). Call inside ``warnings.catch_warnings()``."""
-    warnings.filterwarnings("always", message="the config field", category=DeprecationWarning)
-    show, shown = warnings.showwarning, set()
-
-    def show_config_first(message: Any, category: Any, *rest: Any, **kwargs: Any) -> None:
-        if category is DeprecationWarning and str(message).startswith("the config field"):
-            if str(message) not in shown:  # the config is read more than once (checks, then the run)
-                shown.add(str(message))
-                print(f"functrain {command}: {message}", file=sys.stderr)
-        else:
-            show(message, category, *rest, **kwargs)
-
-    warnings.showwarning = show_config_first
 
 
 def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:

@@ -32,7 +32,6 @@ from functrain.config.sections import (
     EarlyStoppingConfig,
     EmaConfig,
     FreezeConfig,
-    LossConfig,
     OptimizerConfig,
     SchedulerConfig,
 )
@@ -47,7 +46,6 @@ __all__ = [
     "EmaConfig",
     "FreezeConfig",
     "ImportSpec",
-    "LossConfig",
     "OptimizerConfig",
     "Problem",
     "SchedulerConfig",

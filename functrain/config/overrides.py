@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from functrain.config.errors import ConfigError, Problem
-from functrain.config.section import ConfigSection, current_field, section_of, type_hints
+from functrain.config.section import ConfigSection, section_of, type_hints
 from functrain.config.yaml_io import load_yaml
 
 __all__ = ["apply_overrides", "apply_well_formed_overrides", "parse_override"]
@@ -92,13 +92,10 @@ def apply_well_formed_overrides(
 
 def _set(data: dict[str, Any], parts: list[str], value: Any, section: type[ConfigSection] | None) -> None:
     container = data
-    parts = list(parts)
     for depth, part in enumerate(parts[:-1]):
-        part = parts[depth] = current_field(section, part)  # an old field name: its current one
         where = ".".join(parts[: depth + 1])
         hint = type_hints(section).get(part) if section is not None else None
         child_section = section_of(hint) if hint is not None else None
-        _rename_old_key(container, section, part)
         current = container.get(part)
         if current is None:
             current = {}
@@ -114,14 +111,4 @@ def _set(data: dict[str, Any], parts: list[str], value: Any, section: type[Confi
         container[part] = current
         container = current
         section = child_section
-    last = current_field(section, parts[-1])
-    _rename_old_key(container, section, last)
-    container[last] = value
-
-
-def _rename_old_key(container: dict[str, Any], section: type[ConfigSection] | None, field: str) -> None:
-    """A file that still uses an old name of ``field``: the value moves under the current name, so an
-    override of either name changes the one field."""
-    for old, new in getattr(section, "__config_deprecated__", {}).items():
-        if new == field and old in container and field not in container:
-            container[current_field(section, old)] = container.pop(old)
+    container[parts[-1]] = value

@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import typing
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar, TypeVar
 
@@ -36,7 +35,6 @@ __all__ = [
     "ConfigSection",
     "checked_value",
     "config_section",
-    "current_field",
     "field_docs",
     "leaf_paths",
     "option",
@@ -115,7 +113,6 @@ class ConfigSection:
 
     __config_path__: ClassVar[str] = ""
     __config_rules__: ClassVar[tuple[RuleFn, ...]] = ()
-    __config_deprecated__: ClassVar[Mapping[str, str]] = {}
 
     def __post_init__(self) -> None:
         problems: list[Problem] = []
@@ -198,12 +195,10 @@ class ConfigSection:
 _SHOWN_UNKNOWN = 20  # unknown fields reported one by one (with "did you mean") before a count
 
 
-def config_section(path: str, deprecated: Mapping[str, str] | None = None) -> Callable[[type[S]], type[S]]:
+def config_section(path: str) -> Callable[[type[S]], type[S]]:
     """Make ``cls`` a frozen, keyword-only dataclass section found at dotted ``path`` in the config.
 
     Unknown keyword arguments raise `ConfigError` with a "did you mean" (not a bare ``TypeError``).
-    ``deprecated`` maps old field names to the current ones: an old name is accepted for one release,
-    with a ``DeprecationWarning`` (in files, mappings and overrides alike; see :func:`current_field`).
 
     Example:
         >>> from functrain.config import OptimizerConfig
@@ -214,7 +209,6 @@ def config_section(path: str, deprecated: Mapping[str, str] | None = None) -> Ca
     def make(cls: type[S]) -> type[S]:
         cls = dataclasses.dataclass(frozen=True, kw_only=True)(cls)
         cls.__config_path__ = path
-        cls.__config_deprecated__ = dict(deprecated or {})
         cls.__config_rules__ = tuple(
             member for member in vars(cls).values() if hasattr(member, "__config_rule_fields__")
         )
@@ -223,25 +217,11 @@ def config_section(path: str, deprecated: Mapping[str, str] | None = None) -> Ca
 
         @functools.wraps(generated_init)
         def __init__(self: Any, **kwargs: Any) -> None:
-            problems = []
-            for old in [k for k in kwargs if k in cls.__config_deprecated__]:
-                new = current_field(cls, old)
-                if new in kwargs:
-                    del kwargs[old]
-                    problems.append(
-                        Problem(
-                            cls.field_path(old),
-                            f"is the deprecated name of {cls.field_path(new)}, which is given too",
-                            f"remove {cls.field_path(old)}",
-                        )
-                    )
-                else:
-                    kwargs[new] = kwargs.pop(old)
             unknown = [k for k in kwargs if k not in names]
-            if not unknown and not problems:
+            if not unknown:
                 generated_init(self, **kwargs)
                 return
-            problems += [_unknown_field(cls, k) for k in unknown[:_SHOWN_UNKNOWN]]
+            problems = [_unknown_field(cls, k) for k in unknown[:_SHOWN_UNKNOWN]]
             if len(unknown) > _SHOWN_UNKNOWN:  # a file of 100,000 keys: say so without 100,000 suggestions
                 problems.append(
                     Problem(
@@ -260,27 +240,6 @@ def config_section(path: str, deprecated: Mapping[str, str] | None = None) -> Ca
         return cls
 
     return make
-
-
-def current_field(cls: type[ConfigSection] | None, name: str) -> str:
-    """The current name of field ``name`` of section ``cls``: ``name`` itself, or (with a
-    ``DeprecationWarning``) the field that replaced it.
-
-    Example:
-        >>> from functrain.config import TrainerConfig
-        >>> current_field(TrainerConfig, "epochs")
-        'epochs'
-    """
-    new = getattr(cls, "__config_deprecated__", {}).get(name)
-    if new is None:
-        return name
-    old_path, new_path = cls.field_path(name), cls.field_path(new)  # type: ignore[union-attr]
-    warnings.warn(
-        f"the config field {old_path!r} is deprecated and goes in the next release: write {new_path!r}",
-        DeprecationWarning,
-        stacklevel=4,
-    )
-    return new
 
 
 def leaf_paths(cls: type[ConfigSection]) -> list[str]:

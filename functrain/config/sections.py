@@ -36,7 +36,6 @@ __all__ = [
     "EarlyStoppingConfig",
     "EmaConfig",
     "FreezeConfig",
-    "LossConfig",
     "OptimizerConfig",
     "SchedulerConfig",
 ]
@@ -253,9 +252,6 @@ class CriterionConfig(ConfigSection):
         yield from _args_fit_signature(loss_class, self.args, "criterion.args")
 
 
-LossConfig = CriterionConfig  # the deprecated name (the field was ``loss``); goes in the next release
-
-
 def _args_fit_signature(target: Any, args: Mapping[str, Any], path: str) -> Iterable[Problem]:
     try:
         signature = inspect.signature(target)
@@ -342,7 +338,7 @@ class FreezeConfig(ConfigSection):
 
 @config_section("ema")
 class EmaConfig(ConfigSection):
-    """An exponential moving average of the weights (``functrain.averaging.ema``), kept in the optimizer
+    """An exponential moving average of the weights (``functrain.optim.averaging.ema``), kept in the optimizer
     state: checkpointed and resumed with the run.
 
     Example:

@@ -167,7 +167,7 @@ def _false_is_off(value: Any, path: str) -> Any:
     return None if value is False else value
 
 
-@config_section("", deprecated={"loss": "criterion"})
+@config_section("")
 class TrainerConfig(ConfigSection):
     """Everything a ``Trainer`` run is configured with; built from keywords, a mapping or YAML.
 
@@ -231,7 +231,7 @@ class TrainerConfig(ConfigSection):
     scheduler: SchedulerConfig = option(default_factory=SchedulerConfig, doc="The learning-rate schedule.")
     criterion: CriterionConfig = option(
         default_factory=CriterionConfig,
-        doc="The criterion(preds, target) for (inputs, target) batches; 'loss' is its deprecated name.",
+        doc="The criterion(preds, target) for (inputs, target) batches.",
     )
     gradient_accumulation_steps: int = option(
         1, doc="Batches whose gradients make one optimizer step.", minimum=1
@@ -428,8 +428,6 @@ class TrainerConfig(ConfigSection):
         """
         text, where = read_yaml_source(source)
         data, lines = load_yaml_mapping_with_lines(text, where)
-        for old, new in cls.__config_deprecated__.items():  # `loss.name: ...` is reported as criterion.name
-            lines.update({new + p[len(old) :]: n for p, n in lines.items() if p.split(".")[0] == old})
         try:
             return cls.from_dict(data)
         except ConfigError as err:

@@ -53,7 +53,6 @@ __all__ = [
     "masked_loss",
     "pad_batch",
     "padded",
-    "takes_masked_batches",
     "trim",
     "unmask",
     "unpad",
@@ -162,36 +161,22 @@ def trim(outputs: Any, n: int, size: int | None = None) -> Any:
 # ------------------------------------------------------------------------------------------ the loop's side
 
 
-def takes_masked_batches(step: Any) -> bool:
-    """Whether ``step`` takes :class:`MaskedBatch` inputs: the steps of :func:`functrain.make_eval_step`,
-    :func:`functrain.make_predict_step` and :func:`functrain.make_train_step` do (their
-    ``step.spec.masked_batches``, kept by :func:`functrain.jit`); a step of your own gets its batches as
-    they are.
-
-    Example:
-        >>> takes_masked_batches(lambda state, batch: batch)
-        False
-    """
-    return bool(getattr(getattr(step, "spec", None), "masked_batches", False))  # functrain.step.StepSpec
-
-
-def padded(batches: Iterable[Any], step: Any, size: int | None) -> Iterator[tuple[Any, int | None]]:
+def padded(batches: Iterable[Any], masked: bool, size: int | None) -> Iterator[tuple[Any, int | None]]:
     """``(batch, real_examples)`` for each batch: padded to ``size`` rows (``None``: the first batch's
-    count) when ``step`` :func:`takes_masked_batches`, so evaluation and prediction compile one shape;
-    otherwise ``(batch, None)``. The count is read from shapes on the host (no device sync).
+    count) when the step takes masked batches (``masked``: its ``Step.masked_batches``, as the steps of
+    :func:`functrain.make_eval_step` and :func:`functrain.make_predict_step` do), so evaluation and
+    prediction compile one shape; otherwise ``(batch, None)``: a step of your own gets its batches as they
+    are. The count is read from shapes on the host (no device sync).
 
     Every batch of the stream is a :class:`MaskedBatch` (full ones with an all-true mask): one input
     structure. A batch larger than ``size`` keeps its own size (and compiles its own graph).
 
     Example:
         >>> import torch
-        >>> from functrain.step import StepSpec
-        >>> step = lambda state, batch: batch
-        >>> step.spec = StepSpec(masked_batches=True)
-        >>> [(b.mask.tolist(), n) for b, n in padded([torch.zeros(2), torch.zeros(1)], step, None)]
+        >>> [(b.mask.tolist(), n) for b, n in padded([torch.zeros(2), torch.zeros(1)], True, None)]
         [([True, True], 2), ([True, False], 1)]
     """
-    if not takes_masked_batches(step):
+    if not masked:
         for batch in batches:
             yield batch, None
         return

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from functrain.distributed.teardown import wait_for_gloo_workers_at_exit
+
 __all__ = [
     "DistributedEnv",
     "DistributedSetupError",
@@ -139,6 +141,7 @@ def initialize(
         used = dist.get_backend()
         dev = torch.device(device) if device is not None else _default_device(local, used)
         _set_cuda_device(dev)
+        wait_for_gloo_workers_at_exit()
         return DistributedEnv(r, n, local, dev, used, owns_group=False)
     if "WORLD_SIZE" not in environ:
         for name in ("RANK", "LOCAL_RANK"):
@@ -173,6 +176,7 @@ def initialize(
     if dev.type == "cuda" and backend == "nccl":
         kwargs["device_id"] = dev  # binds NCCL to this GPU up front: no guessing, no hang on first use
     dist.init_process_group(**kwargs)
+    wait_for_gloo_workers_at_exit()  # a gloo worker still releasing a collective at exit aborts the process
     return DistributedEnv(r, n, local, dev, backend, owns_group=True)
 
 

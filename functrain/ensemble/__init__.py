@@ -4,8 +4,7 @@ train state.
 - :mod:`~functrain.ensemble.stacked`: ``create``, ``member``/``members``, ``stack``, ``initialise``;
 - :mod:`~functrain.ensemble.steps`: ``step``, ``eval_step``, ``predict_step`` (vmapped over the members);
 - :mod:`~functrain.ensemble.grid`: grids of hyperparameters as one ensemble (what
-  ``TrainerConfig(sweep=...)`` trains; its state, results and plots: :mod:`functrain.trainer.sweep`,
-  also reachable as ``functrain.ensemble.sweep``, loaded on first use).
+  ``TrainerConfig(sweep=...)`` trains; its state, results and plots: :mod:`functrain.trainer.sweep`).
 
 Example:
     >>> import torch, functrain as ft
@@ -21,7 +20,6 @@ Example:
     torch.Size([16, 4])
 """
 
-from functrain import _lazy
 from functrain.ensemble.stacked import (
     create,
     initialise,
@@ -49,8 +47,5 @@ __all__ = [
     "size",
     "stack",
     "step",
-    "sweep",
     "vmap_members",
 ]
-
-_lazy.install(__name__, {}, ("sweep",))  # the sweep's old address, loaded on first use

@@ -34,7 +34,7 @@ from torch.func import vmap
 
 from functrain import _foreach, tree
 from functrain.ensemble.stacked import size
-from functrain.step import StepSpec, attach_spec, spec_of
+from functrain.step import Step, as_step
 
 __all__ = ["MemberMetrics", "eval_step", "predict_step", "step", "vmap_members"]
 
@@ -119,21 +119,13 @@ class MemberMetrics:
         return getattr(self.inner, name)
 
 
-def _carry(target: Callable[..., Any], source: Callable[..., Any], kind: str) -> Any:
-    """``target`` with the spec of ``source``'s ensemble form: per-member metrics, no gradient reducer."""
-    inner = spec_of(source)
-    spec = StepSpec(
-        kind=kind,  # type: ignore[arg-type]
-        model=inner.model,
-        metrics=MemberMetrics(inner.metrics) if inner.metrics is not None else None,
-        members=True,
-    )
-    return attach_spec(target, spec, "metrics", *(("gradient_reducer",) if kind == "train" else ()))
+def _carry(target: Callable[..., Any], source: Step, kind: str) -> Step:
+    """``target`` as the ensemble form of ``source``: its model, per-member metrics, no gradient reducer."""
+    metrics = MemberMetrics(source.metrics) if source.metrics is not None else None
+    return Step(target, kind=kind, model=source.model, metrics=metrics, members=True)  # type: ignore[arg-type]
 
 
-def step(
-    train_step: Callable[[Any, Any], Any], *, batch_axis: int | None = None
-) -> Callable[[Any, Any], Any]:
+def step(train_step: Callable[[Any, Any], Any], *, batch_axis: int | None = None) -> Step:
     """The ensemble form of a train step: ``(stacked_state, batch) -> (stacked_state, metrics)``, every
     metric with a leading member axis (``metrics["loss"]`` is ``[n]``).
 
@@ -149,7 +141,8 @@ def step(
     Example:
         >>> ens_step = ft.jit(step(ft.make_train_step(model, loss)))
     """
-    if spec_of(train_step).gradient_reducer is not None:
+    inner = as_step(train_step)
+    if inner.gradient_reducer is not None:
         raise ValueError(
             "ensemble.step: the train step all-reduces gradients (data parallelism), which an ensemble "
             "step does not support; build it without gradient_reducer"
@@ -158,36 +151,33 @@ def step(
         raise TypeError(
             "ensemble.step: pass the pure step, and jit the ensemble step: jit(ensemble.step(step))"
         )
-    mapped = vmap_members(train_step, batch_axis=batch_axis)
+    mapped = vmap_members(inner.fn, batch_axis=batch_axis)
 
     def ensemble_train_step(state: Any, batch: Any) -> tuple[Any, dict[str, torch.Tensor]]:
         size(state)  # a clear error for a single model's state
         return mapped(state, batch)
 
-    return _carry(ensemble_train_step, train_step, "train")
+    return _carry(ensemble_train_step, inner, "train")
 
 
-def eval_step(
-    eval_fn: Callable[[Any, Any], Any], *, batch_axis: int | None = None
-) -> Callable[[Any, Any], Any]:
+def eval_step(eval_fn: Callable[[Any, Any], Any], *, batch_axis: int | None = None) -> Step:
     """The ensemble form of an eval step: ``loss`` and each extra metric ``[n]``, ``metrics`` the stacked
     metric states, ``num_examples`` an int as before; :func:`functrain.evaluate` reports each member.
 
     Example:
         >>> ens_eval = ft.jit(eval_step(ft.make_eval_step(model, loss)))
     """
-    mapped = vmap_members(eval_fn, batch_axis=batch_axis)
+    inner = as_step(eval_fn)
+    mapped = vmap_members(inner.fn, batch_axis=batch_axis)
 
     def ensemble_eval_step(state: Any, batch: Any) -> dict[str, Any]:
         size(state)
         return mapped(state, batch)
 
-    return _carry(ensemble_eval_step, eval_fn, "eval")
+    return _carry(ensemble_eval_step, inner, "eval")
 
 
-def predict_step(
-    predict_fn: Callable[[Any, Any], Any], *, batch_axis: int | None = None
-) -> Callable[[Any, Any], dict[str, Any]]:
+def predict_step(predict_fn: Callable[[Any, Any], Any], *, batch_axis: int | None = None) -> Step:
     """The ensemble form of a predict step: ``{"members": ..., "mean": ...}``, each member's outputs with
     the member axis after the batch axis (``[batch, n, ...]``, so :func:`functrain.predict` concatenates
     batches) and their mean over members (``[batch, ...]``, the ensemble's prediction).
@@ -200,7 +190,8 @@ def predict_step(
         >>> out["members"].shape, out["mean"].shape
         (torch.Size([5, 4, 3]), torch.Size([5, 3]))
     """
-    mapped = vmap_members(predict_fn, batch_axis=batch_axis)
+    inner = as_step(predict_fn)
+    mapped = vmap_members(inner.fn, batch_axis=batch_axis)
 
     def ensemble_predict_step(state: Any, batch: Any) -> dict[str, Any]:
         size(state)
@@ -210,4 +201,4 @@ def predict_step(
             "mean": torch_pytree.tree_map(lambda x: x.float().mean(0).to(x.dtype), out),
         }
 
-    return _carry(ensemble_predict_step, predict_fn, "predict")
+    return _carry(ensemble_predict_step, inner, "predict")

@@ -18,7 +18,7 @@ from functrain.callbacks.base import Callback, Context
 from functrain.data import padding
 from functrain.loop.data import as_loader, batch_device, scalar_dict
 from functrain.loop.events import Events
-from functrain.step import spec_of
+from functrain.step import as_step
 
 __all__ = ["evaluate", "predict"]
 
@@ -51,9 +51,9 @@ def evaluate(
     events = Events(callbacks)
     ctx = ctx or Context()
     ctx.phase = "eval"
-    spec = spec_of(eval_step)
+    spec = as_step(eval_step)
     sums = _Sums(spec.metrics)
-    for batch, real in padding.padded(loader.epoch(0), eval_step, loader.batch_size):
+    for batch, real in padding.padded(loader.epoch(0), spec.masked_batches, loader.batch_size):
         ctx.batch = batch
         state = events("eval_batch_begin", state, ctx)
         out = eval_step(state, batch)
@@ -121,8 +121,10 @@ def predict(
     """
     loader = as_loader(data, batch_size, random.key(0), "predict", shuffle=False, device=batch_device(state))
 
+    masked = as_step(predict_step).masked_batches
+
     def stream() -> Iterator[Any]:
-        for batch, real in padding.padded(loader.epoch(0), predict_step, loader.batch_size):
+        for batch, real in padding.padded(loader.epoch(0), masked, loader.batch_size):
             yield padding.unpad(predict_step(state, batch), batch, real)
 
     if not collect:

@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from functrain._deprecated import renamed_argument
 from functrain.callbacks.base import Callback
 from functrain.logging import History
 from functrain.loop.length import RunLength
@@ -46,9 +45,6 @@ def fit(
     resume_from_checkpoint: bool | int | str = False,
     progress_bar: bool = True,
     history: History | None = None,
-    progress: bool | None = None,
-    log_every: int | None = None,
-    resume: bool | int | str | None = None,
 ) -> FitResult:
     """Train: fold ``train_step`` over ``train_data`` for ``epochs`` or ``max_steps`` optimizer steps.
 
@@ -90,8 +86,6 @@ def fit(
             Hugging Face's ``Trainer.train(resume_from_checkpoint=)``.)
         progress_bar: show a progress bar (``tqdm.auto``: terminal and notebook), as
             ``TrainerConfig.progress_bar``.
-        progress, log_every, resume: deprecated names of ``progress_bar``, ``log_steps`` and
-            ``resume_from_checkpoint`` (a ``DeprecationWarning``; removed in the next release).
 
     Returns:
         :class:`FitResult` with the final state, the history and the last evaluation.
@@ -101,11 +95,6 @@ def fit(
         ...                 eval_step=eval_step, eval_data=val_set, checkpoints="runs/ckpt",
         ...                 resume_from_checkpoint=True)
     """
-    progress_bar = renamed_argument("fit", "progress", progress, "progress_bar", progress_bar, default=True)
-    log_steps = renamed_argument("fit", "log_every", log_every, "log_steps", log_steps, default=50)
-    resume_from_checkpoint = renamed_argument(
-        "fit", "resume", resume, "resume_from_checkpoint", resume_from_checkpoint, default=False
-    )
     options = FitOptions(
         RunLength(epochs, max_steps, additional_epochs, additional_steps),
         batch_size=batch_size,

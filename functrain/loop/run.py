@@ -43,11 +43,11 @@ from functrain.loop.events import Events, callback_names
 from functrain.loop.options import FitOptions
 from functrain.loop.state import FitResult, LoopState, RunFinishedWarning
 from functrain.loop.window import Window
-from functrain.step import spec_of
+from functrain.step import as_step
 
 if TYPE_CHECKING:
     from functrain.callbacks.progress import ProgressBar
-    from functrain.step import StepSpec
+    from functrain.step import Step
 
 __all__ = ["Phase", "Progress", "Run", "Services"]
 
@@ -122,7 +122,7 @@ class Services:
             device=batch_device(state),
         )
         loader.require_batches("fit")  # before any step: zero steps is never a finished run
-        spec_of(train_step).check(state, "fit")
+        as_step(train_step).check(state, "fit")
         if options.length.counts_epochs and loader.batches_per_epoch is None:
             raise ValueError(
                 "fit: the training data has no length, so epochs cannot be counted; use max_steps "
@@ -147,7 +147,7 @@ class Run:
     ``after_step`` (the due work in them), ``close`` and ``finish``."""
 
     train_step: Callable[..., Any]
-    spec: StepSpec
+    spec: Step
     options: FitOptions
     services: Services
     progress: Progress
@@ -174,7 +174,7 @@ class Run:
             (0, <Phase.TRAINING: 'training'>)
         """
         services = Services.open(state, train_step, train_data, options)
-        spec = spec_of(train_step)
+        spec = as_step(train_step)
         naming = spec.naming(state)
         history = options.history if options.history is not None else History()
         window, position, finished = Window(naming), DataPosition(), None

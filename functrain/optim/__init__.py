@@ -22,9 +22,11 @@ Modules: ``base`` (the pair, ``chain``, ``apply_updates``, ``apply_gradients``),
 building blocks), ``fused`` (Adam's fused kernel), ``clipping``, ``schedules``, ``hyperparams``,
 ``masking`` (``multi_transform``, ``masked``, ``freeze``), ``selection`` (masks and labels by parameter
 name or module index), ``finite`` (``skip_not_finite``), ``aliases`` (``sgd``, ``adam``, ``adamw``,
-``rmsprop``, ``adagrad``, ``lion``, ``lamb``).
+``rmsprop``, ``adagrad``, ``lion``, ``lamb``), ``averaging`` (``ema``, ``swa``: ``ft.optim.averaging.ema(0.999)``
+chained last).
 """
 
+from functrain.optim import averaging
 from functrain.optim.aliases import adagrad, adam, adamw, lamb, lion, rmsprop, sgd
 from functrain.optim.base import (
     EmptyState,
@@ -115,6 +117,7 @@ __all__ = [
     "all_finite",
     "apply_gradients",
     "apply_updates",
+    "averaging",
     "batchnorm_param_names",
     "chain",
     "clip",

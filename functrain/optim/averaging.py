@@ -1,4 +1,4 @@
-"""Weight averaging (``functrain.optim.averaging``, also ``functrain.averaging``): an exponential moving average (EMA) or a stochastic weight average (SWA) of the params.
+"""Weight averaging (``functrain.optim.averaging``): an exponential moving average (EMA) or a stochastic weight average (SWA) of the params.
 
 Why an optimizer transform (and not a callback): the average is training state. Kept in ``opt_state`` it is
 
@@ -27,12 +27,12 @@ number averaged so far. With ``warmup=True`` the EMA decay of update ``n`` (0-ba
 Example:
     >>> import torch, functrain as ft
     >>> model = torch.nn.Linear(3, 1)
-    >>> tx = ft.optim.chain(ft.optim.sgd(0.1), ft.averaging.ema(0.999))
+    >>> tx = ft.optim.chain(ft.optim.sgd(0.1), ft.optim.averaging.ema(0.999))
     >>> state = ft.TrainState.create(model, tx)
     >>> state = state.apply_gradients({k: torch.ones_like(v) for k, v in state.params.items()})
-    >>> torch.equal(ft.averaging.averaged_params(state)["bias"], state.params["bias"])  # first: a copy
+    >>> torch.equal(ft.optim.averaging.averaged_params(state)["bias"], state.params["bias"])  # first: a copy
     True
-    >>> eval_state = ft.averaging.with_averaged_params(state)  # evaluate / export with the average
+    >>> eval_state = ft.optim.averaging.with_averaged_params(state)  # evaluate / export with the average
 """
 
 from __future__ import annotations
@@ -232,7 +232,7 @@ def find_average(opt_state: Any) -> EmaState | SwaState:
     if len(found) != 1:
         raise ValueError(
             f"averaging: the optimizer state holds {len(found)} weight averages, expected one; chain "
-            "functrain.averaging.ema(...) or swa(...) last in the optimizer, e.g. "
+            "functrain.optim.averaging.ema(...) or swa(...) last in the optimizer, e.g. "
             "optim.chain(optim.adamw(1e-3), averaging.ema(0.999))"
         )
     return found[0]

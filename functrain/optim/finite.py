@@ -12,8 +12,6 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from functrain import tree
@@ -81,14 +79,8 @@ def skip_not_finite(inner: GradientTransformation) -> GradientTransformation:
     ) -> tuple[PyTree, SkipNotFiniteState]:
         finite = all_finite(updates).to(state.notfinite_count.device)
         new_updates, new_inner = inner.update(updates, state.inner_state, params)
-
-        def keep_if_bad(new: Any, old: Any) -> Any:
-            if not isinstance(new, torch.Tensor):
-                return new
-            return torch.where(finite, new, old)
-
         new_updates = tree.map(lambda u: torch.where(finite, u, torch.zeros_like(u)), new_updates)
-        inner_state = tree.map(keep_if_bad, new_inner, state.inner_state)
+        inner_state = tree.keep_where(finite, new_inner, state.inner_state)
         not_finite = (~finite).to(torch.int64)
         return new_updates, SkipNotFiniteState(
             inner_state=inner_state,

@@ -8,8 +8,7 @@
   batch layouts (``(inputs, target)``, Hugging Face dicts with ``labels``); :mod:`~functrain.trainer.run_dir`:
   the output directory; :mod:`~functrain.trainer.sweep`: ``config.sweep``, its results and best member.
 - :mod:`~functrain.trainer.tasks` (image classification, segmentation presets) and
-  :mod:`~functrain.trainer.demo` (``functrain demo``), also importable as ``functrain.tasks`` and
-  ``functrain.demo``.
+  :mod:`~functrain.trainer.demo` (``functrain demo``).
 
 Example:
     >>> import functrain as ft

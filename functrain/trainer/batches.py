@@ -17,21 +17,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from functrain._deprecated import renamed_argument
 from functrain.step import _INPUT_KEYS, _inputs_and_target
 
 __all__ = ["criterion_argument", "forward_takes_labels", "labels_loss", "output_field", "predict_forward"]
 
 
-def criterion_argument(criterion: Any, loss: Any, loss_fn: Any) -> Any:
-    """The Trainer's ``criterion`` from its arguments: ``loss`` is its deprecated name (a warning), and
-    ``loss_fn`` (the whole loss) excludes it.
+def criterion_argument(criterion: Any, loss_fn: Any) -> Any:
+    """The Trainer's ``criterion``, which ``loss_fn`` (the whole loss) excludes.
 
     Example:
-        >>> criterion_argument(None, None, None) is None
+        >>> criterion_argument(None, None) is None
         True
     """
-    criterion = renamed_argument("Trainer", "loss", loss, "criterion", criterion, default=None, stacklevel=4)
     if loss_fn is not None and criterion is not None:
         raise TypeError(
             "Trainer: give loss_fn(model, batch) or criterion(preds, target), not both (loss_fn "

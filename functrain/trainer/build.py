@@ -38,7 +38,7 @@ from functrain.distributed.sharding import local_rows
 from functrain.jit import CompiledStep, jit
 from functrain.precision import LossScale
 from functrain.state import TrainState
-from functrain.step import make_eval_step, make_predict_step, make_train_step
+from functrain.step import Step, make_eval_step, make_predict_step, make_train_step
 from functrain.trainer import averaging
 from functrain.trainer.run_dir import COMPILE_CACHE_DIR
 
@@ -412,8 +412,8 @@ def steps(
     metrics: ftmetrics.Collection | None,
     reducer: Any = None,
     sharding: distributed.Sharding | None = None,
-) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
-    """The pure train, eval and predict steps of ``config`` (precision, accumulation, frozen BatchNorm,
+) -> tuple[Step, Step, Step]:
+    """The pure train, eval and predict steps (:class:`functrain.step.Step`) of ``config`` (precision, accumulation, frozen BatchNorm,
     skipping non-finite steps, a sweep's ensemble) over ``losses``; ``reducer``: torchrun's gradient
     averaging; ``sharding``: the state's (:func:`sharding`), which the train step reduce-scatters for
     (evaluation and prediction gather a ZeRO-3 state's params inside their steps).
@@ -443,7 +443,7 @@ def steps(
     return train, evaluate, predict
 
 
-def compiled(config: TrainerConfig, kind: str, fn: Callable[..., Any]) -> CompiledStep:
+def compiled(config: TrainerConfig, kind: str, fn: Step) -> CompiledStep:
     """``fn`` (the ``kind`` ``"train"``/``"eval"``/``"predict"`` step) under :func:`functrain.jit` as the
     config asks: compiled or eager, donated (training), and torch's portable compile cache in the run
     directory (opt-in: its files are pickles)."""

@@ -8,7 +8,13 @@ and ignored).
 Extension points, as in the seed trainers, by subclassing: ``compute_loss(model, batch)``,
 ``preprocess(batch)`` and ``augment(batch)`` (run *inside* the compiled step), ``build_optimizer()``,
 and ``train_step``/``eval_step`` themselves (pure functions of ``(state, batch)``; the default ones are
-built by :func:`functrain.make_train_step`).
+built by :func:`functrain.make_train_step`). The Trainer compiles the steps it built
+(:class:`functrain.step.Step` values), so what :func:`functrain.jit` does for a model (the RNN rewrite,
+Hugging Face's checkpoint routing, the attention fast path, the eager settling forward) applies. An
+overridden ``train_step``/``eval_step`` runs as such a step too, with the built step's fields: the model
+(so those paths apply to the model it calls), the metrics, and the settling forward (training: the
+Trainer's own ``compute_loss`` forward, not the override's; evaluation: the override, once, eagerly);
+its batches come unpadded.
 
 Example:
     >>> import torch, functrain as ft
@@ -35,7 +41,7 @@ from functrain.checkpoint import restore_onto
 from functrain.config import ConfigError, Problem, TrainerConfig
 from functrain.loop import FitResult, data_key, evaluate, fit, predict
 from functrain.state import TrainState
-from functrain.step import StepSpec, _inputs_and_target, spec_of
+from functrain.step import Step, _inputs_and_target
 from functrain.trainer import averaging, batches, build, run_dir, sharded_state, sweep
 
 __all__ = ["Trainer"]
@@ -60,7 +66,6 @@ class Trainer:
         criterion: ``criterion(preds, target) -> loss`` for ``(inputs, target)`` batches; default:
             ``config.criterion`` (a Hugging Face model's own loss is used unless ``config.criterion`` or
             this is set).
-        loss: deprecated alias of ``criterion`` (a ``DeprecationWarning``; removed in the next release).
         optimizer: a :class:`functrain.optim.GradientTransformation`; default: ``config.optimizer`` and
             ``config.scheduler``.
         callbacks: extra :class:`functrain.callbacks.Callback` objects for this trainer's runs.
@@ -82,12 +87,11 @@ class Trainer:
         criterion: Callable[[Any, Any], torch.Tensor] | None = None,
         optimizer: optim.GradientTransformation | None = None,
         callbacks: Iterable[cbs.Callback] = (),
-        loss: Callable[[Any, Any], torch.Tensor] | None = None,
     ) -> None:
         self.config = cfg = _with_eval_strategy(_as_config(config), model, eval_dataset)
         self.model, self.data_collator = model, data_collator
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
-        criterion = batches.criterion_argument(criterion, loss, loss_fn)
+        criterion = batches.criterion_argument(criterion, loss_fn)
         self.loss_fn = loss_fn
         # A model that takes labels computes its own loss (Hugging Face); an explicit criterion wins.
         self.model_takes_labels = batches.forward_takes_labels(model)
@@ -197,9 +201,9 @@ class Trainer:
         start = run_dir.start_callback(cfg, out, self.model, self.frozen)
         extending = additional_epochs is not None or additional_steps is not None
         try:
-            train_step, eval_step, eval_data = self._jit("train", self.train_step), None, None
+            train_step, eval_step, eval_data = self._jit("train"), None, None
             if cfg.eval_strategy != "no":
-                eval_step = self._jit("eval", self.eval_step)
+                eval_step = self._jit("eval")
                 eval_data = self._loader(self.eval_dataset, cfg.resolved_eval_batch_size, train=False)
             result = fit(
                 self.state,
@@ -239,16 +243,14 @@ class Trainer:
         if dataset is None:
             raise ValueError("Trainer.evaluate: give a dataset (no eval_dataset was configured)")
         loader = self._loader(dataset, self.config.resolved_eval_batch_size, train=False)
-        return evaluate(
-            averaging.eval_state(self.config, self.state), self._jit("eval", self.eval_step), loader
-        )
+        return evaluate(averaging.eval_state(self.config, self.state), self._jit("eval"), loader)
 
     def predict(self, dataset: Any) -> Any:
         """The model's outputs on every example of ``dataset``, concatenated (inputs taken as in training);
         after a sweep, ``{"members": [examples, n, ...], "mean": [examples, ...]}``."""
         loader = self._loader(dataset, self.config.resolved_eval_batch_size, train=False)
         state = averaging.eval_state(self.config, self.state)
-        return predict(state, self._jit("predict", self._predict_step), loader, collect=True)
+        return predict(state, self._jit("predict"), loader, collect=True)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Save the train state (params, buffers, optimizer state, step, key) as a msgpack checkpoint.
@@ -301,16 +303,19 @@ class Trainer:
             self.config, self.model, _losses(self), self.metrics, reducer, self.sharding
         )
 
-    def _jit(self, kind: str, fn: Callable[..., Any]) -> Any:
+    def _step(self, kind: str) -> Step:
+        """The ``kind`` (``"train"``/``"eval"``/``"predict"``) step this trainer runs: the one it built, or
+        a subclass's ``train_step``/``eval_step`` with the built one's fields, its batches as they are."""
+        built = {"train": self._train_step, "eval": self._eval_step, "predict": self._predict_step}[kind]
+        overridden = _overridden(self, kind)
+        pads = build.pads(self.config, kind, overridden=overridden)
+        fn = getattr(self, f"{kind}_step") if overridden else built.fn
+        return built.replace(fn=fn, masked_batches=pads)
+
+    def _jit(self, kind: str) -> Any:
+        """The ``kind`` step compiled as the config asks (once per trainer)."""
         if kind not in self._jitted:
-            self._jitted[kind] = build.compiled(self.config, kind, fn)
-            # the loop reads the step's spec (a bound method carries none of its own)
-            self._jitted[kind].spec = StepSpec(
-                metrics=spec_of(self._eval_step).metrics if kind == "eval" else None,
-                gradient_reducer=spec_of(self._train_step).gradient_reducer,
-                sharding=self.sharding if kind == "train" else None,
-                masked_batches=build.pads(self.config, kind, overridden=_overridden(self, kind)),
-            )
+            self._jitted[kind] = build.compiled(self.config, kind, self._step(kind))
         return self._jitted[kind]
 
     def _loader(self, dataset: Any, batch_size: int, *, train: bool) -> Any:

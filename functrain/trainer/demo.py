@@ -5,7 +5,7 @@ TensorBoard and JSONL logs, checkpoints — and prints the test accuracy. No dow
 inside scikit-learn.
 
 Example:
-    >>> from functrain import demo
+    >>> from functrain.trainer import demo
     >>> result = demo.run(output_dir="runs/demo", epochs=2)  # doctest: +SKIP
 """
 
