@@ -1,4 +1,5 @@
-"""What ``make_train_step(..., sharding=...)`` does differently from a replicated step, in a few hooks.
+"""The ZeRO strategy: what ``make_train_step(..., sharding=...)`` does differently from a replicated step,
+as the methods of a parallel strategy (:mod:`functrain.distributed.strategy`).
 
 Per step, inside the one compiled graph (all collectives are functional, traced by ``torch.compile``):
 
@@ -12,9 +13,10 @@ Per step, inside the one compiled graph (all collectives are functional, traced 
    params' own dtype: after every micro-batch (ZeRO-2/3) or once per step (ZeRO-1). One all-reduce
    carries loss, metrics, BatchNorm buffer updates and ``n_r``; the gradient shard is divided by the
    global ``N``: the step equals one process on the union of the ranks' batches.
-3. The optimizer runs on this rank's rows (``ShardLayout.local``) with every norm global
-   (``functrain._foreach.FLAGS.norm_reduce``: clipping, ``grad_norm`` and LAMB's trust ratio all-reduce
-   the squares of the local norms); ZeRO-1/2 all-gather the new rows into the replicated params.
+3. The optimizer runs on this rank's rows (``ShardLayout.local``) with every norm global: the step
+   passes :attr:`ShardedStep.norm` to it as an argument (``apply_gradients(..., norm=)``; clipping,
+   ``grad_norm`` and LAMB's trust ratio all-reduce the squares of the local norms; no global setting);
+   ZeRO-1/2 all-gather the new rows into the replicated params.
 
 Without blocks the full params are alive during the whole step (forward and backward): params and
 optimizer state are sharded at rest, the step's peak holds the full params and gradients; with blocks,
@@ -24,7 +26,7 @@ one block's params at a time (see ``DESIGN_FSDP.md``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -34,26 +36,26 @@ from functrain import _foreach as foreach
 from functrain.distributed.blocks import GatheredBlocks
 from functrain.distributed.gradients import GradientReducer
 from functrain.distributed.sharding import Sharding, ShardLayout, local_rows
+from functrain.distributed.strategy import Examples, Reduced, Replicated
 
-__all__ = ["ShardedStep", "apply_full_gradients"]
-
-# A rank's examples in a step: the batch's rows, or a padded batch's real rows (a 0-d integer tensor).
-Examples = int | torch.Tensor
+__all__ = ["ShardedStep", "apply_full_gradients", "global_norm_fn"]
 
 
-def _norm_reducer(sharding: Sharding) -> Callable[[list[torch.Tensor]], list[torch.Tensor]] | None:
+def global_norm_fn(sharding: Sharding) -> Callable[[list[torch.Tensor]], list[torch.Tensor]] | None:
+    """The per-leaf norms of all ranks' rows (``functrain.optim.NormFn``) for leaves sharded as
+    ``sharding``; ``None`` on one rank (each leaf is whole)."""
     if sharding.world_size == 1:
         return None
     layout = ShardLayout(sharding, ())
 
-    def reduce(norms: list[torch.Tensor]) -> list[torch.Tensor]:
-        return layout.global_norms(norms)
+    def norm(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        return layout.global_norms(list(foreach.norm(leaves)))
 
-    return reduce
+    return norm
 
 
-class ShardedStep:
-    """The sharded step's hooks; made once by ``make_train_step`` (not part of the public API).
+class ShardedStep(Replicated):
+    """The ZeRO strategy; made once by ``make_train_step`` (not part of the public API).
 
     Example:
         >>> from functrain import distributed
@@ -88,8 +90,7 @@ class ShardedStep:
         self.sharding = sharding
         group = sharding.group if sharding.world_size > 1 else None
         self.reducer = GradientReducer(buffers=sharding.buffers, model=model, group=group)
-        # One function object for the plan's life: dynamo guards on FLAGS' attributes by identity.
-        self._norm_reduce = _norm_reducer(sharding)
+        self.norm = global_norm_fn(sharding)
         self.blocks: GatheredBlocks | None = None
         if sharding.blocks is not None:
             if model is None:
@@ -136,11 +137,13 @@ class ShardedStep:
         """Within this block the blocks' forwards gather their params (nothing to do without blocks)."""
         return contextlib.nullcontext() if self.blocks is None else self.blocks.active()
 
-    def loss_weight(self, weight: float, n: Examples) -> float | torch.Tensor | None:
+    counts_examples = True
+
+    def loss_factor(self, share: float, examples: Examples | None) -> float | torch.Tensor | None:
         """With blocks, what the micro-batch's loss is multiplied by before the backward (its share of
         the step times this rank's examples: the gradients are reduced inside the backward); None
         without blocks (the gradient is weighted after the backward)."""
-        return None if self.blocks is None else weight * n
+        return None if self.blocks is None or examples is None else share * examples
 
     def _scatter(
         self, state: Any, grads: Mapping[str, torch.Tensor], n: Examples, weighted: bool = False
@@ -157,10 +160,12 @@ class ShardedStep:
 
         return self.layout(state).reduce_scatter({k: weigh(k, g) for k, g in grads.items()}, master)
 
-    def micro_grads(self, state: Any, grads: dict[str, torch.Tensor], n: Examples) -> dict[str, torch.Tensor]:
+    def micro_grads(self, state: Any, grads: Any, examples: Examples | None) -> Any:
         """A micro-batch's gradients: reduce-scattered at once (ZeRO-2/3) or kept whole (ZeRO-1). With
-        blocks the loss was weighted (:meth:`loss_weight`) and the blocks' gradients are already this
+        blocks the loss was weighted (:meth:`loss_factor`) and the blocks' gradients are already this
         rank's rows of the sum over ranks."""
+        assert examples is not None  # counts_examples
+        n = examples
         if self.sharding.level == "optimizer":
             return grads
         if self.blocks is None:
@@ -176,13 +181,15 @@ class ShardedStep:
     def reduce(
         self,
         state: Any,
-        grads: dict[str, torch.Tensor],
+        grads: Any,
         loss: torch.Tensor,
         metrics: Mapping[str, torch.Tensor],
         buffers: Mapping[str, torch.Tensor],
-        n: Examples,
-    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        examples: Examples | None,
+    ) -> Reduced:
         """This rank's rows of the global-mean gradient, and the global loss, metrics and buffers."""
+        assert examples is not None  # counts_examples
+        n = examples
         if self.sharding.level == "optimizer":
             grads = self._scatter(state, grads, n)
         _, loss, metrics, buffers, total = self.reducer.combine({}, loss, metrics, buffers, state.buffers, n)
@@ -190,19 +197,13 @@ class ShardedStep:
         # gradient's worth of memory at the step's peak)
         return {k: g.div_(total.to(g.dtype)) for k, g in grads.items()}, loss, metrics, buffers
 
-    def local_params(self, state: Any) -> dict[str, torch.Tensor]:
+    def opt_params(self, state: Any) -> dict[str, torch.Tensor]:
         """The rows the optimizer updates."""
         return self.layout(state).local(state.params)
 
-    def params_at_rest(self, state: Any, local: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def params_at_rest(self, state: Any, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The updated rows as the state keeps its params."""
-        return self.layout(state).at_rest(local)
-
-    @contextlib.contextmanager
-    def global_norms(self) -> Iterator[None]:
-        """Within this block every ``functrain._foreach.norm`` is the norm over all ranks' rows."""
-        with foreach.flag("norm_reduce", self._norm_reduce):
-            yield
+        return self.layout(state).at_rest(params)
 
 
 def apply_full_gradients(state: Any, grads: Mapping[str, torch.Tensor]) -> Any:
@@ -212,6 +213,11 @@ def apply_full_gradients(state: Any, grads: Mapping[str, torch.Tensor]) -> Any:
 
     layout: ShardLayout = state.sharding
     local_grads = {k: local_rows(g, layout.sharding) for k, g in grads.items()}
-    with foreach.flag("norm_reduce", _norm_reducer(layout.sharding)):
-        local, opt_state = apply_gradients(state.tx, local_grads, state.opt_state, layout.local(state.params))
+    local, opt_state = apply_gradients(
+        state.tx,
+        local_grads,
+        state.opt_state,
+        layout.local(state.params),
+        norm=global_norm_fn(layout.sharding),
+    )
     return state.replace(step=state.step + 1, params=layout.at_rest(local), opt_state=opt_state)

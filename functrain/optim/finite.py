@@ -18,7 +18,7 @@ import torch
 
 from functrain import tree
 from functrain.optim._leaves import device_of
-from functrain.optim.base import GradientTransformation, OptState
+from functrain.optim.base import GradientTransformation, NormFn, OptState, update_with_norm
 from functrain.tree import PyTree
 
 __all__ = ["SkipNotFiniteState", "all_finite", "skip_not_finite"]
@@ -77,10 +77,14 @@ def skip_not_finite(inner: GradientTransformation) -> GradientTransformation:
         )
 
     def update(
-        updates: PyTree, state: SkipNotFiniteState, params: PyTree | None = None
+        updates: PyTree,
+        state: SkipNotFiniteState,
+        params: PyTree | None = None,
+        *,
+        norm: NormFn | None = None,
     ) -> tuple[PyTree, SkipNotFiniteState]:
         finite = all_finite(updates).to(state.notfinite_count.device)
-        new_updates, new_inner = inner.update(updates, state.inner_state, params)
+        new_updates, new_inner = update_with_norm(inner, updates, state.inner_state, params, norm)
 
         def keep_if_bad(new: Any, old: Any) -> Any:
             if not isinstance(new, torch.Tensor):
