@@ -789,9 +789,9 @@ def _metric_inputs(
 def _forward_params(state: Any) -> Any:
     """The params a forward runs on: a ZeRO-3 state's shards all-gathered (one traced collective per
     dtype; the layout is a static field of the state), anything else as it is."""
-    layout = getattr(state, "sharding", None)
-    if layout is not None and layout.sharding.shards_params:
-        return layout.gather(state.params, layout.sharding.param_dtype)
+    layout = getattr(state, "layout", None)
+    if layout is not None and layout.request.shards_params:
+        return layout.gather(state.params, layout.request.param_dtype)
     return state.params
 
 

@@ -60,7 +60,7 @@ class ShardedStep(Replicated):
     Example:
         >>> from functrain import distributed
         >>> plan = ShardedStep(distributed.fully_shard(level="grads"), model=None)
-        >>> plan.sharding.zero_stage
+        >>> plan.request.zero_stage
         2
     """
 
@@ -87,7 +87,7 @@ class ShardedStep(Replicated):
                 "make_train_step: precision='fp16' is not supported with sharding (its overflow check "
                 "would be per rank); use precision='bf16' or fully_shard(param_dtype=torch.bfloat16)"
             )
-        self.sharding = sharding
+        self.request = sharding
         group = sharding.group if sharding.world_size > 1 else None
         self.reducer = GradientReducer(buffers=sharding.buffers, model=model, group=group)
         self.norm = global_norm_fn(sharding)
@@ -103,13 +103,13 @@ class ShardedStep(Replicated):
 
     def layout(self, state: Any) -> ShardLayout:
         """The state's layout, checked against this step's request."""
-        layout = getattr(state, "sharding", None)
+        layout = getattr(state, "layout", None)
         if not isinstance(layout, ShardLayout):
             raise ValueError(
                 "make_train_step(sharding=...) got a state that is not sharded: create it with "
                 "TrainState.create(model, tx, sharding=<the same fully_shard(...)>)"
             )
-        s, mine = layout.sharding, self.sharding
+        s, mine = layout.request, self.request
         if s is not mine and (s.level, s.rank, s.world_size) != (mine.level, mine.rank, mine.world_size):
             raise ValueError(
                 f"the state is sharded as {s!r} but the step as {mine!r}: pass the same fully_shard(...) "
@@ -123,13 +123,13 @@ class ShardedStep(Replicated):
         if self.blocks is None:
             return self.params_whole(state)
         inside, outside = self.blocks.split(state.params)
-        gathered = {**self.layout(state).gather(outside, self.sharding.param_dtype), **inside}
+        gathered = {**self.layout(state).gather(outside, self.request.param_dtype), **inside}
         return {k: gathered[k] for k in state.params}
 
     def params_whole(self, state: Any) -> dict[str, torch.Tensor]:
         """The full params (gathered for ZeRO-3), in ``param_dtype`` if set."""
-        layout, dtype = self.layout(state), self.sharding.param_dtype
-        if self.sharding.shards_params:
+        layout, dtype = self.layout(state), self.request.param_dtype
+        if self.request.shards_params:
             return layout.gather(state.params, dtype)
         return dict(state.params) if dtype is None else {k: v.to(dtype) for k, v in state.params.items()}
 
@@ -166,7 +166,7 @@ class ShardedStep(Replicated):
         rank's rows of the sum over ranks."""
         assert examples is not None  # counts_examples
         n = examples
-        if self.sharding.level == "optimizer":
+        if self.request.level == "optimizer":
             return grads
         if self.blocks is None:
             return self._scatter(state, grads, n)
@@ -190,7 +190,7 @@ class ShardedStep(Replicated):
         """This rank's rows of the global-mean gradient, and the global loss, metrics and buffers."""
         assert examples is not None  # counts_examples
         n = examples
-        if self.sharding.level == "optimizer":
+        if self.request.level == "optimizer":
             grads = self._scatter(state, grads, n)
         _, loss, metrics, buffers, total = self.reducer.combine({}, loss, metrics, buffers, state.buffers, n)
         # in place: the reduced shards are the step's own new tensors (a copy would hold a second
@@ -211,13 +211,13 @@ def apply_full_gradients(state: Any, grads: Mapping[str, torch.Tensor]) -> Any:
     (the same on every rank); this rank's rows update its shards."""
     from functrain.optim import apply_gradients
 
-    layout: ShardLayout = state.sharding
-    local_grads = {k: local_rows(g, layout.sharding) for k, g in grads.items()}
+    layout: ShardLayout = state.layout
+    local_grads = {k: local_rows(g, layout.request) for k, g in grads.items()}
     local, opt_state = apply_gradients(
         state.tx,
         local_grads,
         state.opt_state,
         layout.local(state.params),
-        norm=global_norm_fn(layout.sharding),
+        norm=global_norm_fn(layout.request),
     )
     return state.replace(step=state.step + 1, params=layout.at_rest(local), opt_state=opt_state)
