@@ -1,61 +1,44 @@
-"""``torch._foreach_*`` ops that can run one tensor at a time, for ``torch.func.vmap``.
+"""``torch._foreach_*`` ops that run one tensor at a time under ``torch.func.vmap``.
 
 functrain's optimizers update all leaves with one ``torch._foreach_*`` kernel; vmap has no batching rule
 for those ops ("Batching rule not implemented for aten::_foreach_lerp.Scalar"), and neither eager vmap nor
 dynamo's tracing of vmap honours a torch function mode that could rewrite them. So the optimizers call
-the ops through this module: outside :func:`per_tensor` each is the foreach kernel itself; inside, the
-same op applied leaf by leaf, which vmap batches (``functrain.ensemble`` enters it around its vmapped
-step). Under ``torch.compile`` inductor fuses the per-leaf ops again, so the compiled ensemble step pays
-nothing for it.
+the ops through this module: each is the foreach kernel itself, or, where its arguments are vmap's
+batched tensors (``functrain.ensemble``'s vmapped step), the same op applied leaf by leaf, which vmap
+batches. The choice depends on the arguments only (no flag set up the stack); under ``torch.compile``
+inductor fuses the per-leaf ops again, so the compiled ensemble step pays nothing for it.
+
+:func:`norm` is each leaf's own norm: a sharded step passes its optimizer a norm function that makes
+them global (``functrain.optim.NormFn``).
 
 Example:
     >>> import torch
     >>> from functrain import _foreach as foreach
-    >>> with foreach.per_tensor():
-    ...     foreach.mul([torch.ones(2), torch.ones(3)], 2.0)
-    [tensor([2., 2.]), tensor([2., 2., 2.])]
+    >>> torch.func.vmap(lambda x: torch.stack(foreach.mul([x, x], 2.0)))(torch.ones(2, 3)).shape
+    torch.Size([2, 2, 3])
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._C._functorch import is_batchedtensor
 
 
-class _Flags:
-    """How the running step's optimizer may work; set by the step's wrappers while it is traced or run
-    (dynamo guards on them like on any global)."""
-
-    def __init__(self) -> None:
-        # Instance attributes from the start: dynamo guards on the instance's __dict__, and a first
-        # assignment that shadowed a class attribute would change it (one recompile).
-        self.per_tensor = False  # the ops below run per tensor (inside functrain.ensemble's vmap)
-        self.in_place = False  # the optimizer may write new params and moments into the old tensors
-        # A sharded step's norms: each leaf holds only this rank's rows, so ``norm`` hands its per-leaf
-        # local norms to this function, which returns the global ones (functrain.distributed.sharding).
-        self.norm_reduce: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
+def _batched(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether any argument (a tensor, or a list's first tensor) is a vmap-batched tensor."""
+    for arg in (*args, *kwargs.values()):
+        first = arg[0] if isinstance(arg, list | tuple) and arg else arg
+        if isinstance(first, torch.Tensor) and is_batchedtensor(first):
+            return True
+    return False
 
 
-FLAGS = _Flags()
-
-
-@contextlib.contextmanager
-def flag(name: str, value: bool) -> Iterator[None]:
-    """``FLAGS.<name> = value`` within this block."""
-    before = getattr(FLAGS, name)
-    setattr(FLAGS, name, value)
-    try:
-        yield
-    finally:
-        setattr(FLAGS, name, before)
-
-
-def per_tensor() -> contextlib.AbstractContextManager[None]:
-    """Within this block the ops of this module run per tensor (vmap-able) instead of as foreach kernels."""
-    return flag("per_tensor", True)
+def batched(tensors: list[torch.Tensor]) -> bool:
+    """Whether ``tensors`` are vmap's batched tensors (inside ``functrain.ensemble``'s vmapped step)."""
+    return _batched((tensors,), {})
 
 
 def _norm(x: torch.Tensor, ord: float = 2, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -70,7 +53,7 @@ def _op(name: str, per_leaf: Callable[..., torch.Tensor], inplace: bool = False)
     kernel = getattr(torch, f"_foreach_{name}{'_' if inplace else ''}")
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        if not FLAGS.per_tensor:
+        if not _batched(args, kwargs):
             return kernel(*args, **kwargs)
         out = [
             per_leaf(*(_pick(a, i) for a in args), **{k: _pick(v, i) for k, v in kwargs.items()})
@@ -101,17 +84,7 @@ div_ = _op("div", torch.div, inplace=True)
 lerp = _op("lerp", torch.lerp)
 maximum = _op("maximum", torch.maximum)
 mul = _op("mul", torch.mul)
-_local_norm = _op("norm", _norm)
-
-
-def norm(tensors: list[torch.Tensor], *args: Any, **kwargs: Any) -> list[torch.Tensor]:
-    """Each tensor's norm; inside a sharded step (``FLAGS.norm_reduce``) the norm of the whole leaf, all
-    ranks' rows together. Every norm functrain's optimizers and ``tree.global_norm`` take goes through
-    here, so one hook makes clipping, ``grad_norm`` and LAMB's trust ratio global."""
-    out = _local_norm(tensors, *args, **kwargs)
-    return out if FLAGS.norm_reduce is None else FLAGS.norm_reduce(list(out))
-
-
+norm = _op("norm", _norm)
 sign = _op("sign", torch.sign)
 sqrt = _op("sqrt", torch.sqrt)
 sqrt_ = _op("sqrt", torch.sqrt, inplace=True)

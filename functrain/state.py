@@ -101,8 +101,9 @@ class TrainState:
         tx: the optimizer (static: not a leaf, not saved).
         tied: ``(alias, canonical)`` names of tied tensors (static), so exports recreate every key.
         non_persistent: buffer names that ``state_dict()`` omits (static).
-        sharding: a ``functrain.distributed.ShardLayout`` when params and/or optimizer state are sharded
-            over ranks (static; ``TrainState.create(..., sharding=...)``), else ``None``.
+        layout: a ``functrain.distributed.ShardLayout`` when params and/or optimizer state are sharded
+            over ranks (static; made by ``TrainState.create(..., sharding=fully_shard(...))``, the request
+            in ``layout.request``), else ``None``.
 
     The state is never mutated: ``replace(...)``, ``apply_gradients(...)`` and the step functions return
     new states. ``step`` and ``rng`` stay on the CPU whatever device the rest lives on, so the host reads
@@ -126,7 +127,7 @@ class TrainState:
     tx: GradientTransformation | None = tree.field(static=True, default=None)
     tied: tuple[tuple[str, str], ...] = tree.field(static=True, default=())
     non_persistent: tuple[str, ...] = tree.field(static=True, default=())
-    sharding: Any = tree.field(static=True, default=None)
+    layout: Any = tree.field(static=True, default=None)
 
     # ------------------------------------------------------------------------------------ creation
 
@@ -197,7 +198,7 @@ class TrainState:
             tx=tx,
             tied=tied,
             non_persistent=non_persistent,
-            sharding=layout,
+            layout=layout,
         )
 
     # ------------------------------------------------------------------------------------ updates
@@ -213,7 +214,7 @@ class TrainState:
         """
         if self.tx is None:
             raise ValueError("apply_gradients: this state has no optimizer (tx); create it with one")
-        if self.sharding is not None:  # full (already reduced) grads: this rank's rows are used
+        if self.layout is not None:  # full (already reduced) grads: this rank's rows are used
             from functrain.distributed.sharded_step import apply_full_gradients
 
             return apply_full_gradients(self, grads)
@@ -258,7 +259,7 @@ class TrainState:
             <All keys matched successfully>
         """
         out: dict[str, torch.Tensor] = {}
-        out.update(self.params if self.sharding is None else self.sharding.full_params(self.params))
+        out.update(self.params if self.layout is None else self.layout.full_params(self.params))
         out.update({k: v for k, v in self.buffers.items() if k not in self.non_persistent})
         for alias, canonical in self.tied:
             if canonical in out and alias not in self.non_persistent:
@@ -273,7 +274,7 @@ class TrainState:
     @property
     def num_params(self) -> int:
         """Number of trainable parameter elements (of the whole model when sharded)."""
-        return tree.num_elements(self.params) if self.sharding is None else self.sharding.num_params
+        return tree.num_elements(self.params) if self.layout is None else self.layout.num_params
 
     def __repr__(self) -> str:
         opt = type(self.opt_state).__name__ if self.opt_state is not None else "None"

@@ -379,8 +379,13 @@ def cast(tree: PyTree, dtype: torch.dtype, *, floating_only: bool = True) -> PyT
     return map(one, tree)
 
 
-def global_norm(tree: PyTree) -> torch.Tensor:
+def global_norm(
+    tree: PyTree, norm: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
+) -> torch.Tensor:
     """The L2 norm of all tensor leaves taken together (a 0-d float32 tensor), with one foreach kernel.
+
+    ``norm`` takes the per-leaf norms (``functrain.optim.NormFn``; default each leaf's own): a sharded
+    step's are over all ranks' rows of each leaf.
 
     Example:
         >>> global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])})
@@ -389,7 +394,7 @@ def global_norm(tree: PyTree) -> torch.Tensor:
     xs = _tensors(tree)
     if not xs:
         return torch.zeros(())
-    norms = foreach.norm(xs)
+    norms = (foreach.norm if norm is None else norm)(xs)
     return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
 
 

@@ -91,7 +91,7 @@ def blocks(out: dict) -> None:
     # without blocks (tested against replicated data parallelism in test_sharding_torchrun) is
     cnn_data = w.batches("cnn", (8, 7, 8, 6, 8))
     plain, plain_m, _ = w.sharded_run(BlockCNN, w.adamw, cnn_data, "params")
-    plain = plain.sharding.full_state(plain)
+    plain = plain.layout.full_state(plain)
     calls, _, counting = _counting_gathers()
     with counting:
         state, m, _ = w.sharded_run(BlockCNN, w.adamw, cnn_data, "params", blocks="auto")

@@ -153,7 +153,7 @@ def diff(a: Any, b: Any) -> float:
 
 
 def compare(state: Any, metrics: list, ref: Any, ref_metrics: list) -> dict[str, float]:
-    full = state.sharding.full_state(state)
+    full = state.layout.full_state(state)
     worst = max(full.params, key=lambda k: diff(full.params[k], ref.params[k]))
     return {
         "worst_param": worst,
@@ -167,7 +167,7 @@ def compare(state: Any, metrics: list, ref: Any, ref_metrics: list) -> dict[str,
 
 def shard_sizes(state: Any) -> dict[str, Any]:
     """Per leaf: (local rows, expected ceil(rows / world)) for params (ZeRO-3) and Adam moments."""
-    layout, s = state.sharding, state.sharding.sharding
+    layout, s = state.layout, state.layout.request
     sharded = layout.sharded_leaves(state)
     out = {}
     for path, leaf in ft.checkpoint.structure.leaves_with_paths(state):
@@ -187,10 +187,10 @@ def parity(out: dict) -> None:
         out[f"state_bytes/{level}"] = ft.tree.num_bytes((state.params, state.opt_state))
         # jit(donate=True): the optimizer updates the shards in place, the new state lands in the old
         # one's tensors; the same arithmetic, so the same numbers as without donation
-        kept = state.sharding.full_state(state)
+        kept = state.layout.full_state(state)
         donated, m_donated, _ = sharded_run(Transformer, adamw, data, level, donate=True)
         out[f"transformer/{level}/donate"] = compare(donated, m_donated, ref, ref_m)
-        out[f"donate_vs_kept/{level}"] = diff(donated.sharding.full_state(donated), kept)
+        out[f"donate_vs_kept/{level}"] = diff(donated.layout.full_state(donated), kept)
     out["state_bytes/replicated"] = ft.tree.num_bytes((ref.params, ref.opt_state))
     out["forward/params"] = forward_parity(state, ref, data[0])
     # accumulation: the 3-example step cannot be split in 2 on 4 ranks
@@ -236,7 +236,7 @@ def guards(out: dict, data: list, ref: Any, ref_m: list) -> None:
         return real_scatter(self, {k: torch.zeros_like(v) for k, v in full.items()}, dtypes)
 
     def unreduced(self: Any, full: Any, dtypes: Any) -> Any:  # full_tensor()'s missing backward reduction
-        s = self.sharding
+        s = self.request
         return {k: sharding_mod.local_rows(v.to(dtypes[k]), s) * s.world_size for k, v in full.items()}
 
     cases["zero_gradients"] = lambda: _patched(sharding_mod.ShardLayout, "reduce_scatter", zeroed)
@@ -292,12 +292,12 @@ def save(out: dict, directory: str) -> None:
     rank, world = distributed.rank(), distributed.world_size()
     state, _, step = sharded_run(Transformer, adamw, data[:3], "params")
     ckpt.save_sharded(directory, 3, state)
-    full = state.sharding.full_state(state)
+    full = state.layout.full_state(state)
     if rank == 0:
         ft.checkpoint.save(os.path.join(directory, "reference.ckpt"), full, step=3)
     for batch in data[3:]:
         state, _ = step(state, my_part(batch, rank, world))
-    _dump(out, "uninterrupted", state.sharding.full_state(state), directory)
+    _dump(out, "uninterrupted", state.layout.full_state(state), directory)
     fit_resume(out, directory)
 
 
@@ -323,8 +323,8 @@ def fit_resume(out: dict, directory: str) -> None:
     folder = os.path.join(directory, "fit")
     run(4, folder, False)
     resumed = run(6, folder, True, seed=7)  # another seed: the checkpoint's key orders the data
-    _dump(out, "fit_straight", straight.sharding.full_state(straight), directory)
-    _dump(out, "fit_resumed", resumed.sharding.full_state(resumed), directory)
+    _dump(out, "fit_straight", straight.layout.full_state(straight), directory)
+    _dump(out, "fit_resumed", resumed.layout.full_state(resumed), directory)
     try:
         ft.checkpoint.CheckpointManager(os.path.join(directory, "plain")).save(1, {"state": resumed})
     except ft.checkpoint.CheckpointError as error:
@@ -374,12 +374,12 @@ def resume(out: dict, directory: str) -> None:
     sharding = distributed.fully_shard(level="params")
     template = ft.TrainState.create(model, adamw(), seed=1, sharding=sharding)
     state = ckpt.restore_sharded(directory, target=template)
-    _dump(out, "restored", state.sharding.full_state(state), directory)
+    _dump(out, "restored", state.layout.full_state(state), directory)
     out["sizes"] = shard_sizes(state)
     step = ft.jit(ft.make_train_step(model, LOSS, sharding=sharding), compile=False)
     for batch in data[3:]:
         state, _ = step(state, my_part(batch, rank, world))
-    _dump(out, "continued", state.sharding.full_state(state), directory)
+    _dump(out, "continued", state.layout.full_state(state), directory)
 
 
 def kill(out: dict, directory: str) -> None:
@@ -388,7 +388,7 @@ def kill(out: dict, directory: str) -> None:
     rank, world = distributed.rank(), distributed.world_size()
     state, _, step = sharded_run(Transformer, adamw, data[:1], "params")
     ckpt.save_sharded(directory, 1, state)
-    full = state.sharding.full_state(state)
+    full = state.layout.full_state(state)
     if rank == 0:
         ft.checkpoint.save(os.path.join(directory, "reference.ckpt"), full, step=1)
     state, _ = step(state, my_part(data[1], rank, world))
@@ -442,7 +442,7 @@ def trainer(out: dict, directory: str) -> None:
 
     for level in ("none", "optimizer", "params"):
         t = run(level, level, 3)
-        state = t.state if level == "none" else t.state.sharding.full_state(t.state)
+        state = t.state if level == "none" else t.state.layout.full_state(t.state)
         out[level] = {
             "params": state.params,
             "opt_state": ft.tree.leaves(state.opt_state),
@@ -456,17 +456,17 @@ def trainer(out: dict, directory: str) -> None:
             continue
         run(level, f"{level}_resumed", 2)
         resumed = run(level, f"{level}_resumed", 3, resume=True).state
-        out[level]["resumed"] = resumed.sharding.full_state(resumed).params
+        out[level]["resumed"] = resumed.layout.full_state(resumed).params
         t.save(os.path.join(directory, f"{level}_final.ckpt"))
         fresh = run(level, f"{level}_fresh", 1)
         loaded = fresh.load(os.path.join(directory, f"{level}_final.ckpt"))
-        out[level]["loaded_whole"] = loaded.sharding.full_state(loaded).params
+        out[level]["loaded_whole"] = loaded.layout.full_state(loaded).params
         manager = t.checkpoint_manager()  # the run's last checkpoint, a step_N.shards manifest
         loaded = fresh.load(manager.path(manager.latest()))
-        out[level]["loaded_shards"] = (int(loaded.step), loaded.sharding.full_state(loaded).params)
+        out[level]["loaded_shards"] = (int(loaded.step), loaded.layout.full_state(loaded).params)
     for level in ("none", "optimizer", "params"):  # an EMA of the weights, evaluated with
         t = run(level, f"{level}_ema", 2, ema={"decay": 0.8, "evaluate": True})
-        state = t.state if level == "none" else t.state.sharding.full_state(t.state)
+        state = t.state if level == "none" else t.state.layout.full_state(t.state)
         out[f"ema/{level}"] = {
             "average": ft.optim.averaging.averaged_params(state),
             "params": state.params,

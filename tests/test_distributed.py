@@ -78,8 +78,8 @@ def test_hook_receives_example_count_and_its_results_are_applied() -> None:
     # rank's example count and apply what the hook returns.
     seen: dict = {}
 
-    def halve(grads, loss, metrics, buffers, old_buffers, num_examples):  # type: ignore[no-untyped-def]
-        seen.update(n=num_examples, old=set(old_buffers))
+    def halve(state, grads, loss, metrics, buffers, num_examples):  # type: ignore[no-untyped-def]
+        seen.update(n=num_examples, old=set(state.buffers))
         return {k: g / 2 for k, g in grads.items()}, loss * 0 + 7.0, metrics, buffers
 
     model = mlp()

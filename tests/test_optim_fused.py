@@ -7,7 +7,6 @@ import pytest
 import torch
 from test_optim import _one_thread, _run_parity  # noqa: F401  (_one_thread: an autouse fixture)
 
-from functrain import _foreach as foreach
 from functrain import optim, tree
 from functrain.optim import fused
 
@@ -164,9 +163,8 @@ def test_vmap_runs_the_kernel_per_member_bitwise_as_alone(kernel_calls: list[int
         lambda p, s, g, c: optim.apply_gradients(tx, {k: x * c for k, x in g.items()}, s, p),
         in_dims=(0, 0, None, 0),
     )
-    with foreach.per_tensor():
-        for grads in _grads(3):
-            params, state = step(params, state, grads, scale)
+    for grads in _grads(3):  # vmap's batched tensors: the optimizers' foreach ops run per tensor
+        params, state = step(params, state, grads, scale)
     assert len(kernel_calls) == 9 + 3 * (1 + 3)  # alone; then per vmapped step the op and its 3 members
     # bitwise: per member, torch's elementwise fused kernel runs on the same values with the same sizes
     for i, (params_i, state_i) in enumerate(alone):

@@ -43,7 +43,7 @@ def test_one_rank_sharded_step_equals_the_plain_step(level: str) -> None:
     sharding = distributed.fully_shard(level=level)
     state = ft.TrainState.create(model, _tx(), sharding=sharding)
     plain = ft.TrainState.create(model, _tx())
-    assert isinstance(state.sharding, ShardLayout) and state.sharding.sharding is sharding
+    assert isinstance(state.layout, ShardLayout) and state.layout.request is sharding
     assert state.num_params == plain.num_params
     step = ft.make_train_step(model, LOSS, sharding=sharding, accumulate=2)
     plain_step = ft.make_train_step(model, LOSS, accumulate=2)

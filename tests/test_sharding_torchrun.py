@@ -206,7 +206,7 @@ def test_checkpoint_of_2_ranks_resumes_in_one_process(saved: tuple[str, str]) ->
     template = ft.TrainState.create(model, worker.adamw(), seed=1, sharding=sharding)
     state = ckpt.restore_sharded(directory, target=template)
     reference = ft.checkpoint.restore(os.path.join(directory, "reference.ckpt"))
-    assert _leaves_equal(state.sharding.full_state(state), reference)
+    assert _leaves_equal(state.layout.full_state(state), reference)
     plain = ckpt.restore_sharded(directory, target=ft.TrainState.create(model, worker.adamw(), seed=1))
     assert _leaves_equal(plain, reference)
 

@@ -113,7 +113,7 @@ def test_one_process_holds_every_shard_and_trains_as_replicated(tmp_path: Path) 
     plain = _trained(tmp_path, "none")
     for level in ("params", "grads"):
         trainer = _trained(tmp_path, level)
-        assert trainer.state.sharding.sharding.level == level
+        assert trainer.state.layout.request.level == level
         torch.testing.assert_close(trainer.state.params, plain.state.params, rtol=1e-6, atol=1e-7)
         assert trainer.evaluate() == pytest.approx(plain.evaluate(), rel=1e-6)
         torch.testing.assert_close(trainer.predict(make_dataset(5)), plain.predict(make_dataset(5)))

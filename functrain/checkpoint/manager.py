@@ -256,7 +256,7 @@ def _refuse_sharded(state: Any) -> None:
     from functrain.checkpoint.sharded import _layouts
 
     for _, sharded in _layouts(state):
-        world = sharded.sharding.sharding.world_size
+        world = sharded.layout.request.world_size
         if world > 1:
             raise CheckpointError(
                 f"this state is sharded over {world} ranks: CheckpointManager writes one process's file, "

@@ -77,7 +77,7 @@ def _layouts(obj: Any, prefix: structure.Path = ()) -> list[tuple[structure.Path
     ``fit`` saves ``{"state": state, "loop": ...}``)."""
     from functrain.distributed.sharding import ShardLayout
 
-    if isinstance(getattr(obj, "sharding", None), ShardLayout):
+    if isinstance(getattr(obj, "layout", None), ShardLayout):
         return [(prefix, obj)]
     if isinstance(obj, dict):
         return [found for k, v in obj.items() for found in _layouts(v, (*prefix, k))]
@@ -90,15 +90,15 @@ def _sharded_paths(obj: Any) -> dict[structure.Path, tuple[int, ...]]:
     return {
         (*prefix, *path): shape
         for prefix, state in _layouts(obj)
-        for path, shape in state.sharding.sharded_leaves(state).items()
+        for path, shape in state.layout.sharded_leaves(state).items()
     }
 
 
 def _group_of(obj: Any) -> tuple[Any, int, int]:
     found = _layouts(obj)
-    layout = found[0][1].sharding if found else None
+    layout = found[0][1].layout if found else None
     if layout is not None:
-        s = layout.sharding
+        s = layout.request
         return s.group, s.rank, s.world_size
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return dist.group.WORLD, dist.get_rank(), dist.get_world_size()
@@ -335,7 +335,7 @@ def restore_sharded(
 
     found = _layouts(target)
     mine = _sharded_paths(target)
-    s = found[0][1].sharding.sharding if found else None
+    s = found[0][1].layout.request if found else None
     wanted, targets = {}, {}
     problems = []
     for path, leaf in structure.leaves_with_paths(target):

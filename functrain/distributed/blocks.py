@@ -175,7 +175,7 @@ class GatheredBlocks:
         slots = [(sub, attr, name) for sub, attr, name in slots if name in self.params]
         shapes = {name: layout.global_shape(name) for _, _, name in slots}
         inner = inner.fn if isinstance(inner, Remat) else inner  # already ft.remat'ed: recompute once
-        dtype = layout.sharding.param_dtype
+        dtype = layout.request.param_dtype
         holder = _Holder([module])  # functional_call of the block's own forward (not this one)
         local = {name: "held.0." + name[len(block) + 1 :] for _, _, name in slots}
 

@@ -40,9 +40,10 @@ BufferMode = Literal["mean", "local"]
 class GradientReducer:
     """The hook ``make_train_step(..., gradient_reducer=...)`` calls once per step, after the backward.
 
-    ``reducer(grads, loss, metrics, buffers, old_buffers, num_examples) -> (grads, loss, metrics,
-    buffers)``: ``grads``, ``loss`` and ``metrics`` are this rank's means over its ``num_examples``
-    examples; the results are the means over all ranks' examples.
+    ``reducer(state, grads, loss, metrics, buffers, examples) -> (grads, loss, metrics, buffers)``, the
+    reduction protocol of every parallel strategy (:mod:`functrain.distributed.strategy`): ``grads``,
+    ``loss`` and ``metrics`` are this rank's means over its ``examples``, ``buffers`` its updated buffers
+    (``state.buffers`` the old ones); the results are the means over all ranks' examples.
 
     Buffers (BatchNorm running statistics) follow ``buffers``:
 
@@ -94,14 +95,14 @@ class GradientReducer:
 
     def __call__(
         self,
+        state: Any,
         grads: Any,
         loss: torch.Tensor,
         metrics: Mapping[str, torch.Tensor],
         buffers: Mapping[str, torch.Tensor],
-        old_buffers: Mapping[str, torch.Tensor],
-        num_examples: int | torch.Tensor,
+        examples: int | torch.Tensor,
     ) -> tuple[Any, torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        return self.combine(grads, loss, metrics, buffers, old_buffers, num_examples)[:4]
+        return self.combine(grads, loss, metrics, buffers, state.buffers, examples)[:4]
 
     def combine(
         self,
@@ -112,8 +113,9 @@ class GradientReducer:
         old_buffers: Mapping[str, torch.Tensor],
         num_examples: int,
     ) -> tuple[Any, torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
-        """As calling the reducer, plus the global example count (a 0-d float32 tensor, at least 1), by
-        which a sharded step divides its reduce-scattered ``grad * n`` sums."""
+        """What calling the reducer does, given the old buffers themselves, plus the global example count
+        (a 0-d float32 tensor, at least 1), by which a sharded step divides its reduce-scattered
+        ``grad * n`` sums."""
         if not self.active:
             n = torch.scalar_tensor(max(num_examples, 1), dtype=torch.float32, device=loss.device)
             return grads, loss, dict(metrics), dict(buffers), n

@@ -1,4 +1,5 @@
-"""What ``make_train_step(..., sharding=...)`` does differently from a replicated step, in a few hooks.
+"""The ZeRO strategy: what ``make_train_step(..., sharding=...)`` does differently from a replicated step,
+as the methods of a parallel strategy (:mod:`functrain.distributed.strategy`).
 
 Per step, inside the one compiled graph (all collectives are functional, traced by ``torch.compile``):
 
@@ -12,9 +13,10 @@ Per step, inside the one compiled graph (all collectives are functional, traced 
    params' own dtype: after every micro-batch (ZeRO-2/3) or once per step (ZeRO-1). One all-reduce
    carries loss, metrics, BatchNorm buffer updates and ``n_r``; the gradient shard is divided by the
    global ``N``: the step equals one process on the union of the ranks' batches.
-3. The optimizer runs on this rank's rows (``ShardLayout.local``) with every norm global
-   (``functrain._foreach.FLAGS.norm_reduce``: clipping, ``grad_norm`` and LAMB's trust ratio all-reduce
-   the squares of the local norms); ZeRO-1/2 all-gather the new rows into the replicated params.
+3. The optimizer runs on this rank's rows (``ShardLayout.local``) with every norm global: the step
+   passes :attr:`ShardedStep.norm` to it as an argument (``apply_gradients(..., norm=)``; clipping,
+   ``grad_norm`` and LAMB's trust ratio all-reduce the squares of the local norms; no global setting);
+   ZeRO-1/2 all-gather the new rows into the replicated params.
 
 Without blocks the full params are alive during the whole step (forward and backward): params and
 optimizer state are sharded at rest, the step's peak holds the full params and gradients; with blocks,
@@ -24,7 +26,7 @@ one block's params at a time (see ``DESIGN_FSDP.md``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -34,31 +36,31 @@ from functrain import _foreach as foreach
 from functrain.distributed.blocks import GatheredBlocks
 from functrain.distributed.gradients import GradientReducer
 from functrain.distributed.sharding import Sharding, ShardLayout, local_rows
+from functrain.distributed.strategy import Examples, Reduced, Replicated
 
-__all__ = ["ShardedStep", "apply_full_gradients"]
-
-# A rank's examples in a step: the batch's rows, or a padded batch's real rows (a 0-d integer tensor).
-Examples = int | torch.Tensor
+__all__ = ["ShardedStep", "apply_full_gradients", "global_norm_fn"]
 
 
-def _norm_reducer(sharding: Sharding) -> Callable[[list[torch.Tensor]], list[torch.Tensor]] | None:
+def global_norm_fn(sharding: Sharding) -> Callable[[list[torch.Tensor]], list[torch.Tensor]] | None:
+    """The per-leaf norms of all ranks' rows (``functrain.optim.NormFn``) for leaves sharded as
+    ``sharding``; ``None`` on one rank (each leaf is whole)."""
     if sharding.world_size == 1:
         return None
     layout = ShardLayout(sharding, ())
 
-    def reduce(norms: list[torch.Tensor]) -> list[torch.Tensor]:
-        return layout.global_norms(norms)
+    def norm(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        return layout.global_norms(list(foreach.norm(leaves)))
 
-    return reduce
+    return norm
 
 
-class ShardedStep:
-    """The sharded step's hooks; made once by ``make_train_step`` (not part of the public API).
+class ShardedStep(Replicated):
+    """The ZeRO strategy; made once by ``make_train_step`` (not part of the public API).
 
     Example:
         >>> from functrain import distributed
         >>> plan = ShardedStep(distributed.fully_shard(level="grads"), model=None)
-        >>> plan.sharding.zero_stage
+        >>> plan.request.zero_stage
         2
     """
 
@@ -85,11 +87,10 @@ class ShardedStep:
                 "make_train_step: precision='fp16' is not supported with sharding (its overflow check "
                 "would be per rank); use precision='bf16' or fully_shard(param_dtype=torch.bfloat16)"
             )
-        self.sharding = sharding
+        self.request = sharding
         group = sharding.group if sharding.world_size > 1 else None
         self.reducer = GradientReducer(buffers=sharding.buffers, model=model, group=group)
-        # One function object for the plan's life: dynamo guards on FLAGS' attributes by identity.
-        self._norm_reduce = _norm_reducer(sharding)
+        self.norm = global_norm_fn(sharding)
         self.blocks: GatheredBlocks | None = None
         if sharding.blocks is not None:
             if model is None:
@@ -102,13 +103,13 @@ class ShardedStep:
 
     def layout(self, state: Any) -> ShardLayout:
         """The state's layout, checked against this step's request."""
-        layout = getattr(state, "sharding", None)
+        layout = getattr(state, "layout", None)
         if not isinstance(layout, ShardLayout):
             raise ValueError(
                 "make_train_step(sharding=...) got a state that is not sharded: create it with "
                 "TrainState.create(model, tx, sharding=<the same fully_shard(...)>)"
             )
-        s, mine = layout.sharding, self.sharding
+        s, mine = layout.request, self.request
         if s is not mine and (s.level, s.rank, s.world_size) != (mine.level, mine.rank, mine.world_size):
             raise ValueError(
                 f"the state is sharded as {s!r} but the step as {mine!r}: pass the same fully_shard(...) "
@@ -122,13 +123,13 @@ class ShardedStep:
         if self.blocks is None:
             return self.params_whole(state)
         inside, outside = self.blocks.split(state.params)
-        gathered = {**self.layout(state).gather(outside, self.sharding.param_dtype), **inside}
+        gathered = {**self.layout(state).gather(outside, self.request.param_dtype), **inside}
         return {k: gathered[k] for k in state.params}
 
     def params_whole(self, state: Any) -> dict[str, torch.Tensor]:
         """The full params (gathered for ZeRO-3), in ``param_dtype`` if set."""
-        layout, dtype = self.layout(state), self.sharding.param_dtype
-        if self.sharding.shards_params:
+        layout, dtype = self.layout(state), self.request.param_dtype
+        if self.request.shards_params:
             return layout.gather(state.params, dtype)
         return dict(state.params) if dtype is None else {k: v.to(dtype) for k, v in state.params.items()}
 
@@ -136,11 +137,13 @@ class ShardedStep:
         """Within this block the blocks' forwards gather their params (nothing to do without blocks)."""
         return contextlib.nullcontext() if self.blocks is None else self.blocks.active()
 
-    def loss_weight(self, weight: float, n: Examples) -> float | torch.Tensor | None:
+    counts_examples = True
+
+    def loss_factor(self, share: float, examples: Examples | None) -> float | torch.Tensor | None:
         """With blocks, what the micro-batch's loss is multiplied by before the backward (its share of
         the step times this rank's examples: the gradients are reduced inside the backward); None
         without blocks (the gradient is weighted after the backward)."""
-        return None if self.blocks is None else weight * n
+        return None if self.blocks is None or examples is None else share * examples
 
     def _scatter(
         self, state: Any, grads: Mapping[str, torch.Tensor], n: Examples, weighted: bool = False
@@ -157,11 +160,13 @@ class ShardedStep:
 
         return self.layout(state).reduce_scatter({k: weigh(k, g) for k, g in grads.items()}, master)
 
-    def micro_grads(self, state: Any, grads: dict[str, torch.Tensor], n: Examples) -> dict[str, torch.Tensor]:
+    def micro_grads(self, state: Any, grads: Any, examples: Examples | None) -> Any:
         """A micro-batch's gradients: reduce-scattered at once (ZeRO-2/3) or kept whole (ZeRO-1). With
-        blocks the loss was weighted (:meth:`loss_weight`) and the blocks' gradients are already this
+        blocks the loss was weighted (:meth:`loss_factor`) and the blocks' gradients are already this
         rank's rows of the sum over ranks."""
-        if self.sharding.level == "optimizer":
+        assert examples is not None  # counts_examples
+        n = examples
+        if self.request.level == "optimizer":
             return grads
         if self.blocks is None:
             return self._scatter(state, grads, n)
@@ -176,33 +181,29 @@ class ShardedStep:
     def reduce(
         self,
         state: Any,
-        grads: dict[str, torch.Tensor],
+        grads: Any,
         loss: torch.Tensor,
         metrics: Mapping[str, torch.Tensor],
         buffers: Mapping[str, torch.Tensor],
-        n: Examples,
-    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        examples: Examples | None,
+    ) -> Reduced:
         """This rank's rows of the global-mean gradient, and the global loss, metrics and buffers."""
-        if self.sharding.level == "optimizer":
+        assert examples is not None  # counts_examples
+        n = examples
+        if self.request.level == "optimizer":
             grads = self._scatter(state, grads, n)
         _, loss, metrics, buffers, total = self.reducer.combine({}, loss, metrics, buffers, state.buffers, n)
         # in place: the reduced shards are the step's own new tensors (a copy would hold a second
         # gradient's worth of memory at the step's peak)
         return {k: g.div_(total.to(g.dtype)) for k, g in grads.items()}, loss, metrics, buffers
 
-    def local_params(self, state: Any) -> dict[str, torch.Tensor]:
+    def opt_params(self, state: Any) -> dict[str, torch.Tensor]:
         """The rows the optimizer updates."""
         return self.layout(state).local(state.params)
 
-    def params_at_rest(self, state: Any, local: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def params_at_rest(self, state: Any, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The updated rows as the state keeps its params."""
-        return self.layout(state).at_rest(local)
-
-    @contextlib.contextmanager
-    def global_norms(self) -> Iterator[None]:
-        """Within this block every ``functrain._foreach.norm`` is the norm over all ranks' rows."""
-        with foreach.flag("norm_reduce", self._norm_reduce):
-            yield
+        return self.layout(state).at_rest(params)
 
 
 def apply_full_gradients(state: Any, grads: Mapping[str, torch.Tensor]) -> Any:
@@ -210,8 +211,13 @@ def apply_full_gradients(state: Any, grads: Mapping[str, torch.Tensor]) -> Any:
     (the same on every rank); this rank's rows update its shards."""
     from functrain.optim import apply_gradients
 
-    layout: ShardLayout = state.sharding
-    local_grads = {k: local_rows(g, layout.sharding) for k, g in grads.items()}
-    with foreach.flag("norm_reduce", _norm_reducer(layout.sharding)):
-        local, opt_state = apply_gradients(state.tx, local_grads, state.opt_state, layout.local(state.params))
+    layout: ShardLayout = state.layout
+    local_grads = {k: local_rows(g, layout.request) for k, g in grads.items()}
+    local, opt_state = apply_gradients(
+        state.tx,
+        local_grads,
+        state.opt_state,
+        layout.local(state.params),
+        norm=global_norm_fn(layout.request),
+    )
     return state.replace(step=state.step + 1, params=layout.at_rest(local), opt_state=opt_state)

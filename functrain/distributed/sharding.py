@@ -30,7 +30,7 @@ Example:
     >>> from functrain import distributed
     >>> sharding = distributed.fully_shard(level="params")  # no process group: one rank holds everything
     >>> state = ft.TrainState.create(torch.nn.Linear(3, 2), ft.optim.adamw(1e-3), sharding=sharding)
-    >>> state.params["weight"].shape, state.sharding.global_shape("weight")
+    >>> state.params["weight"].shape, state.layout.global_shape("weight")
     (torch.Size([2, 3]), (2, 3))
 """
 
@@ -219,15 +219,16 @@ class _AllGather(torch.autograd.Function):
 
 @dataclasses.dataclass(frozen=True)
 class ShardLayout:
-    """A state's sharding: the request and every parameter's global shape (a static field of the state).
+    """Where a sharded state's rows live: the request (``fully_shard(...)``) and every parameter's global shape
+    (``TrainState.layout``, a static field of the state).
 
     Example:
         >>> layout = ShardLayout(fully_shard(), (("w", (5, 2)),))
-        >>> layout.global_shape("w"), layout.sharding.local_shape((5, 2))
+        >>> layout.global_shape("w"), layout.request.local_shape((5, 2))
         ((5, 2), (5, 2))
     """
 
-    sharding: Sharding
+    request: Sharding  # what fully_shard(...) asked for
     shapes: tuple[tuple[str, tuple[int, ...]], ...]
 
     def global_shape(self, name: str) -> tuple[int, ...]:
@@ -258,7 +259,7 @@ class ShardLayout:
         gives the global shapes of leaves that are not params (optimizer moments). ``differentiable``:
         the gather's backward reduce-scatters the gradient (summed over ranks), under ``torch.func``
         transforms too (ZeRO-3 with blocks, :mod:`functrain.distributed.blocks`)."""
-        s = self.sharding
+        s = self.request
         out: dict[str, torch.Tensor] = {}
         names = list(local)
         for dt, group in _by_dtype(names, lambda n: dtype or local[n].dtype):
@@ -286,7 +287,7 @@ class ShardLayout:
     ) -> dict[str, torch.Tensor]:
         """Each rank's rows of the sum over ranks of ``full`` (gradients), reduced in ``dtypes[name]``:
         one functional reduce-scatter per dtype, traceable."""
-        s = self.sharding
+        s = self.request
         out: dict[str, torch.Tensor] = {}
         names = list(full)
         for dt, group in _by_dtype(names, lambda n: dtypes[n]):
@@ -304,23 +305,23 @@ class ShardLayout:
     def local(self, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The rows the optimizer updates on this rank: the shards themselves (ZeRO-3), or this rank's
         rows of the replicated params (ZeRO-1/2)."""
-        if self.sharding.shards_params:
+        if self.request.shards_params:
             return dict(params)
-        return {n: local_rows(p, self.sharding) for n, p in params.items()}
+        return {n: local_rows(p, self.request) for n, p in params.items()}
 
     def at_rest(self, local: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Updated local rows back to the params the state keeps: unchanged (ZeRO-3) or all-gathered."""
-        if self.sharding.shards_params:
+        if self.request.shards_params:
             return dict(local)
         return self.gather(local)
 
     def global_norms(self, norms: list[torch.Tensor]) -> list[torch.Tensor]:
         """Per-leaf norms of all ranks' rows from each rank's local norms: an all-reduce of the squares
         (in float64, so the combined norm rounds like one computed whole)."""
-        if self.sharding.world_size == 1 or not norms:
+        if self.request.world_size == 1 or not norms:
             return norms
         squares = torch.stack([n.to(torch.float64) for n in norms]).square()
-        total = _collective("all_reduce", squares, "sum", group=self.sharding.group).sqrt()
+        total = _collective("all_reduce", squares, "sum", group=self.request.group).sqrt()
         return [total[i].to(n.dtype) for i, n in enumerate(norms)]
 
     # ------------------------------------------------------------------ eager, outside the step
@@ -328,7 +329,7 @@ class ShardLayout:
     def full_params(self, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The whole params on every rank (eager; for ``state_dict()``/export): one leaf at a time.
         Collective: every rank calls it."""
-        if not self.sharding.shards_params:
+        if not self.request.shards_params:
             return dict(params)
         return {n: self.gather({n: p})[n] for n, p in params.items()}
 
@@ -347,19 +348,19 @@ class ShardLayout:
                 continue
             name = path[-1]
             if path[0] == "params":
-                if self.sharding.shards_params:
+                if self.request.shards_params:
                     out[path] = shapes[name]
             elif (
                 path[0] == "opt_state"
                 and isinstance(name, str)
                 and name in shapes
-                and tuple(leaf.shape) == self.sharding.local_shape(shapes[name])
+                and tuple(leaf.shape) == self.request.local_shape(shapes[name])
             ):
                 out[path] = shapes[name]
         return out
 
     def full_state(self, state: Any) -> Any:
-        """The state with every shard gathered (params and optimizer state whole, ``sharding=None``):
+        """The state with every shard gathered (params and optimizer state whole, ``layout=None``):
         what one process training on the same data would hold. Collective, one leaf at a time."""
         from functrain.checkpoint.structure import rebuild
 
@@ -370,7 +371,7 @@ class ShardLayout:
                 return x
             return self.gather({"leaf": x}, shapes={"leaf": sharded[path]})["leaf"]
 
-        return rebuild(state, leaf).replace(sharding=None)
+        return rebuild(state, leaf).replace(layout=None)
 
 
 # ----------------------------------------------------------------------------------------- creation

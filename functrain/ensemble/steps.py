@@ -32,7 +32,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 from torch.func import vmap
 
-from functrain import _foreach, tree
+from functrain import tree
 from functrain.ensemble.stacked import size
 from functrain.step import Step, as_step
 
@@ -51,7 +51,7 @@ def vmap_members(fn: Callable[..., Any], *, batch_axis: int | None = None) -> Ca
     ``batch_axis=None`` shares the batch between members; an int maps the batch's tensors along that
     axis (one batch per member). Outputs keep their non-tensor leaves (``None``, ints) as ``fn`` returned
     them and stack the tensors along dim 0. The optimizers' foreach kernels run per tensor inside
-    (``functrain._foreach.per_tensor``): vmap cannot batch foreach ops.
+    (``functrain._foreach`` sees vmap's batched tensors): vmap cannot batch foreach ops.
 
     Example:
         >>> per_member = vmap_members(lambda state, batch: state.params["bias"].sum() + batch.sum())
@@ -69,8 +69,7 @@ def vmap_members(fn: Callable[..., Any], *, batch_axis: int | None = None) -> Ca
             return tuple(x for x in leaves if isinstance(x, torch.Tensor))
 
         in_dims = (_dims(state, 0), _dims(batch, batch_axis), *(None for _ in args))
-        with _foreach.per_tensor():
-            flat = vmap(tensors_only, in_dims=in_dims, randomness="different")(state, batch, *args)
+        flat = vmap(tensors_only, in_dims=in_dims, randomness="different")(state, batch, *args)
         it = iter(flat)
         leaves = [next(it) if is_tensor else x for is_tensor, x in layout["leaves"]]
         return torch_pytree.tree_unflatten(leaves, layout["spec"])

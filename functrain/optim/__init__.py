@@ -31,6 +31,7 @@ from functrain.optim.aliases import adagrad, adam, adamw, lamb, lion, rmsprop, s
 from functrain.optim.base import (
     EmptyState,
     GradientTransformation,
+    NormFn,
     OptState,
     ScalarOrSchedule,
     Schedule,
@@ -99,6 +100,7 @@ __all__ = [
     "LearningRateState",
     "MaskedState",
     "MultiTransformState",
+    "NormFn",
     "OptState",
     "Pattern",
     "ScalarOrSchedule",

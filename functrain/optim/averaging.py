@@ -255,7 +255,7 @@ def averaged_params(state: Any) -> PyTree:
     params = getattr(state, "params", None)
     if params is None:
         return average
-    layout = getattr(state, "sharding", None)
+    layout = getattr(state, "layout", None)
     if layout is not None:  # a sharded state: the optimizer keeps this rank's rows of the average
         average = layout.at_rest(average)  # as the params are kept: shards (ZeRO-3) or gathered whole
     return tree.map(lambda a, p: a.to(p.dtype), average, params)

@@ -12,6 +12,16 @@ Updates are already signed (``scale_by_learning_rate`` multiplies by ``-lr``), s
 A transformation may also carry ``apply(grads, state, params) -> (params, state)``, the same step done at
 once (``adam``/``adamw`` run torch's fused kernel there); :func:`apply_gradients` uses it when present.
 
+Norms are an argument, not a setting: a transformation that takes a norm over its leaves
+(``clip_by_global_norm``, LAMB's trust ratio) accepts ``update(..., norm=fn)``, with ``fn`` a
+:data:`NormFn` (per-leaf L2 norms; the default is each leaf's own). A ZeRO-sharded step, whose leaves hold
+only this rank's rows, passes a ``fn`` that all-reduces them, so clipping is global
+(``functrain.distributed.sharded_step``). ``chain`` and the wrappers (``masked``, ``freeze``,
+``multi_transform``, ``skip_not_finite``) forward ``norm`` to the transformations that accept it (their
+update has a ``norm`` parameter; optax forwards its ``extra_args`` the same way); the others are called as
+before. This keeps ``update(updates, state, params)`` the whole protocol for everything else, and the
+transform's result a function of its arguments only.
+
 Example:
     >>> import torch
     >>> from functrain import optim
@@ -25,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
@@ -38,6 +49,7 @@ from functrain.tree import PyTree
 __all__ = [
     "EmptyState",
     "GradientTransformation",
+    "NormFn",
     "OptState",
     "ScalarOrSchedule",
     "Schedule",
@@ -47,6 +59,8 @@ __all__ = [
     "identity",
     "set_to_zero",
     "stateless_leafwise",
+    "takes_norm",
+    "update_with_norm",
 ]
 
 OptState = Any
@@ -56,6 +70,10 @@ Schedule = Callable[[Any], torch.Tensor]
 """A function ``count -> value``: a 0-d int tensor (or a Python int) to a 0-d float tensor."""
 
 ScalarOrSchedule = float | Schedule
+
+NormFn = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+"""Per-leaf L2 norms: ``fn(leaves) -> [norm of each leaf]`` (0-d tensors). ``functrain._foreach.norm``
+(each leaf's own) by default; a sharded step's all-reduces the squares over the ranks' rows."""
 
 
 class InitFn(Protocol):
@@ -69,7 +87,18 @@ class UpdateFn(Protocol):
 
 
 class ApplyFn(Protocol):
-    def __call__(self, grads: PyTree, state: OptState, params: PyTree) -> tuple[PyTree, OptState]: ...
+    """``apply(grads, state, params, *, norm=None, in_place=False)``: ``in_place=True`` lets it write the
+    new params and state into the given tensors (a donated state's; nothing reads the old ones after)."""
+
+    def __call__(
+        self,
+        grads: PyTree,
+        state: OptState,
+        params: PyTree,
+        *,
+        norm: NormFn | None = None,
+        in_place: bool = False,
+    ) -> tuple[PyTree, OptState]: ...
 
 
 class GradientTransformation(NamedTuple):
@@ -168,31 +197,72 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             )
 
     def run(
-        txs: tuple[GradientTransformation, ...], states: tuple[OptState, ...], updates: PyTree, params: PyTree
+        n: int, states: tuple[OptState, ...], updates: PyTree, params: PyTree, norm: NormFn | None
     ) -> tuple[PyTree, tuple[OptState, ...]]:
         new_states = []
-        for tx, s in zip(txs, states):
-            updates, s = tx.update(updates, s, params)
+        for tx, s in zip(transforms[:n], states):
+            updates, s = update_with_norm(tx, updates, s, params, norm)
             new_states.append(s)
         return updates, tuple(new_states)
 
     def update(
-        updates: PyTree, state: tuple[OptState, ...], params: PyTree | None = None
+        updates: PyTree,
+        state: tuple[OptState, ...],
+        params: PyTree | None = None,
+        *,
+        norm: NormFn | None = None,
     ) -> tuple[PyTree, tuple[OptState, ...]]:
         check(state)
-        return run(transforms, state, updates, params)
+        return run(len(transforms), state, updates, params, norm)
 
     last_apply = transforms[-1].apply if transforms else None
 
     def apply(
-        grads: PyTree, state: tuple[OptState, ...], params: PyTree
+        grads: PyTree,
+        state: tuple[OptState, ...],
+        params: PyTree,
+        *,
+        norm: NormFn | None = None,
+        in_place: bool = False,
     ) -> tuple[PyTree, tuple[OptState, ...]]:
         check(state)
-        grads, head = run(transforms[:-1], state[:-1], grads, params)
-        params, last = last_apply(grads, state[-1], params)  # type: ignore[misc]
+        grads, head = run(len(transforms) - 1, state[:-1], grads, params, norm)
+        params, last = last_apply(grads, state[-1], params, norm=norm, in_place=in_place)  # type: ignore[misc]
         return params, (*head, last)
 
     return GradientTransformation(init, update, apply if last_apply is not None else None)
+
+
+def takes_norm(tx: GradientTransformation) -> bool:
+    """Whether ``tx.update`` accepts ``norm=`` (a :data:`NormFn`).
+
+    Example:
+        >>> from functrain import optim
+        >>> takes_norm(optim.clip_by_global_norm(1.0)), takes_norm(optim.scale(2.0))
+        (True, False)
+    """
+    try:
+        parameters = inspect.signature(tx.update).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to read
+        return False
+    return "norm" in parameters
+
+
+def update_with_norm(
+    tx: GradientTransformation, updates: PyTree, state: OptState, params: PyTree | None, norm: NormFn | None
+) -> tuple[PyTree, OptState]:
+    """``tx.update(updates, state, params)``, with ``norm=norm`` when a norm is given and ``tx`` takes it
+    (:func:`takes_norm`): how ``chain`` and the wrappers forward the norm.
+
+    Example:
+        >>> from functrain import optim
+        >>> tx = optim.scale(2.0)
+        >>> update_with_norm(tx, {"w": torch.ones(1)}, tx.init({}), None, None)[0]
+        {'w': tensor([2.])}
+    """
+    if norm is not None and takes_norm(tx):
+        return tx.update(updates, state, params, norm=norm)
+    return tx.update(updates, state, params)
 
 
 def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
@@ -216,10 +286,20 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
 
 
 def apply_gradients(
-    tx: GradientTransformation, grads: PyTree, opt_state: OptState, params: PyTree
+    tx: GradientTransformation,
+    grads: PyTree,
+    opt_state: OptState,
+    params: PyTree,
+    *,
+    norm: NormFn | None = None,
+    in_place: bool = False,
 ) -> tuple[PyTree, OptState]:
     """One optimizer step: ``(new_params, new_opt_state)``; ``tx.apply`` when it has one, else
     ``tx.update`` followed by :func:`apply_updates`.
+
+    ``norm``: the per-leaf norm function the transformations' norms use (:data:`NormFn`; ``None``: each
+    leaf's own). ``in_place``: ``tx.apply`` may write into ``params`` and ``opt_state``'s tensors (a train
+    step passes it for a donated state; the results are the same tensors, updated).
 
     Example:
         >>> from functrain import optim
@@ -229,6 +309,6 @@ def apply_gradients(
         {'w': tensor([0.5000, 0.5000])}
     """
     if tx.apply is not None:
-        return tx.apply(grads, opt_state, params)
-    updates, opt_state = tx.update(grads, opt_state, params)
+        return tx.apply(grads, opt_state, params, norm=norm, in_place=in_place)
+    updates, opt_state = update_with_norm(tx, grads, opt_state, params, norm)
     return apply_updates(params, updates), opt_state

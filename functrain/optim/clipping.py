@@ -15,7 +15,8 @@ import torch
 from functrain import _foreach as foreach
 from functrain import tree
 from functrain.optim._leaves import check_nonnegative
-from functrain.optim.base import GradientTransformation, stateless_leafwise
+from functrain.optim.base import EmptyState, GradientTransformation, NormFn, stateless_leafwise
+from functrain.tree import PyTree
 
 __all__ = ["clip", "clip_by_global_norm"]
 
@@ -42,7 +43,8 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
 
     Same arithmetic as ``torch.nn.utils.clip_grad_norm_``: the factor is
     ``min(1, max_norm / (norm + 1e-6))``, applied without a branch (a non-finite norm gives non-finite
-    updates, which :func:`functrain.optim.skip_not_finite` can catch).
+    updates, which :func:`functrain.optim.skip_not_finite` can catch). ``update(..., norm=fn)`` takes the
+    leaves' norms with ``fn`` (a sharded step's are over all ranks' rows; :data:`functrain.optim.NormFn`).
 
     Example:
         >>> clip_by_global_norm(1.0).update({"w": torch.tensor([0.0, 2.0])}, clip_by_global_norm(1.0).init({}))[0]
@@ -50,8 +52,16 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     """
     max_norm = check_nonnegative("clip_by_global_norm", "max_norm", max_norm)
 
-    def rescale(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-        factor = torch.clamp(max_norm / (tree.global_norm(leaves) + 1e-6), max=1.0)
-        return foreach.mul(leaves, factor)
+    def init(params: PyTree) -> EmptyState:
+        return EmptyState()
 
-    return stateless_leafwise(rescale)
+    def update(
+        updates: PyTree, state: EmptyState, params: PyTree | None = None, *, norm: NormFn | None = None
+    ) -> tuple[PyTree, EmptyState]:
+        leaves, spec = tree.flatten(updates)
+        if not leaves:
+            return updates, state
+        factor = torch.clamp(max_norm / (tree.global_norm(leaves, norm) + 1e-6), max=1.0)
+        return tree.unflatten(spec, foreach.mul(leaves, factor)), state
+
+    return GradientTransformation(init, update)

@@ -16,7 +16,7 @@ import torch
 
 from functrain import tree
 from functrain.optim._leaves import device_of
-from functrain.optim.base import GradientTransformation, OptState
+from functrain.optim.base import GradientTransformation, NormFn, OptState, update_with_norm
 from functrain.tree import PyTree
 
 __all__ = ["SkipNotFiniteState", "all_finite", "skip_not_finite"]
@@ -75,10 +75,14 @@ def skip_not_finite(inner: GradientTransformation) -> GradientTransformation:
         )
 
     def update(
-        updates: PyTree, state: SkipNotFiniteState, params: PyTree | None = None
+        updates: PyTree,
+        state: SkipNotFiniteState,
+        params: PyTree | None = None,
+        *,
+        norm: NormFn | None = None,
     ) -> tuple[PyTree, SkipNotFiniteState]:
         finite = all_finite(updates).to(state.notfinite_count.device)
-        new_updates, new_inner = inner.update(updates, state.inner_state, params)
+        new_updates, new_inner = update_with_norm(inner, updates, state.inner_state, params, norm)
         new_updates = tree.map(lambda u: torch.where(finite, u, torch.zeros_like(u)), new_updates)
         inner_state = tree.keep_where(finite, new_inner, state.inner_state)
         not_finite = (~finite).to(torch.int64)

@@ -8,8 +8,9 @@ scheduling, re-inplacing) grows with every optimizer op. Registered as a custom 
 neither lowers nor fuses; it runs the kernel ``torch.optim.Adam(fused=True)`` runs, on CPU and CUDA.
 For a 12-layer tiny GPT step on a 2-core CPU this cut a cold compile by ~20% (55.0 -> 44.7 s in one
 run); the step costs 2-5% more (the kernel re-reads the gradients and writes new moments instead of
-riding in the backward's kernels; ``adamw(..., fused=False)`` keeps the in-graph update). A donating step (``jit(..., donate=True)``) without loss scaling updates the donated state's
-tensors in place (no copies; ``make_train_step`` decides, as nothing reads the old values after it).
+riding in the backward's kernels; ``adamw(..., fused=False)`` keeps the in-graph update). ``apply(...,
+in_place=True)`` writes into the given params and moments (no copies): a donating step
+(``jit(..., donate=True)``) without loss scaling passes it, as nothing reads the old values after it.
 Numbers: benchmarks/README.md, "Compile time and per-call overhead".
 
 :func:`adam_with_fused_apply` builds ``optim.adam``/``optim.adamw``: the usual ``chain`` (same state,
@@ -40,8 +41,15 @@ from torch import Tensor
 from functrain import _foreach as foreach
 from functrain import tree
 from functrain.optim._leaves import flatten_matching
-from functrain.optim.base import GradientTransformation, OptState, apply_gradients, chain
-from functrain.optim.masking import bool_labels
+from functrain.optim.base import (
+    GradientTransformation,
+    NormFn,
+    OptState,
+    apply_gradients,
+    chain,
+    update_with_norm,
+)
+from functrain.optim.masking import MaskedState, bool_labels
 from functrain.optim.transforms import ScaleByAdamState, add_decayed_weights, scale_by_adam
 from functrain.tree import PyTree
 
@@ -202,6 +210,20 @@ def _learning_rate(lr_tx: GradientTransformation, state: OptState, like: Tensor)
     return scaled["rate"], state
 
 
+def _decay(
+    decay_states: tuple[OptState, ...], mask_leaves_of: Any, params: PyTree, n: int, lr: Tensor
+) -> tuple[list[bool], Tensor]:
+    """Which leaves the decoupled decay shrinks, and its rate: from ``add_decayed_weights``' state (masked
+    or not), or no leaves (``decay_states`` empty: no decoupled decay; the rate is then unread)."""
+    if not decay_states:
+        return [], lr
+    (decay_state,) = decay_states
+    if mask_leaves_of is None:
+        return [True] * n, decay_state.weight_decay
+    masked: MaskedState = decay_state
+    return list(mask_leaves_of(params)), masked.inner_state.weight_decay
+
+
 def adam_with_fused_apply(
     b1: float,
     b2: float,
@@ -239,25 +261,26 @@ def adam_with_fused_apply(
         return unfused.init(params)
 
     def apply(
-        grads: PyTree, state: tuple[OptState, ...], params: PyTree
+        grads: PyTree,
+        state: tuple[OptState, ...],
+        params: PyTree,
+        *,
+        norm: NormFn | None = None,
+        in_place: bool = False,
     ) -> tuple[PyTree, tuple[OptState, ...]]:
-        adam_state: ScaleByAdamState = state[n_coupled]
+        # the chain's state, by its structure: coupled transforms', Adam's, the decay's (if any), the rate's
+        *coupled_states, adam_state, lr_state = state[: n_coupled + 1] + state[-1:]
+        decay_states = state[n_coupled + 1 : -1]
         moments = (adam_state.mu, adam_state.nu, *((adam_state.nu_max,) if amsgrad else ()))
         grad_leaves, (param_leaves, *moment_leaves), spec = flatten_matching("adam", grads, params, *moments)
         if not _kernel_applies(param_leaves, grad_leaves, moment_leaves):
-            return apply_gradients(unfused, grads, state, params)
-        new_states = list(state)
-        for i, tx in enumerate(coupled):
-            grads, new_states[i] = tx.update(grads, state[i], params)
-        lr, new_states[-1] = _learning_rate(learning_rate, state[-1], param_leaves[0])
-        decayed: list[bool] = []
-        decay = lr  # any 0-d tensor: unread without decayed leaves
-        if decoupled:
-            decay_state = state[n_coupled + 1]
-            if mask_leaves_of is None:
-                decayed, decay = [True] * len(param_leaves), decay_state.weight_decay
-            else:
-                decayed, decay = list(mask_leaves_of(params)), decay_state.inner_state.weight_decay
+            return apply_gradients(unfused, grads, state, params, norm=norm)
+        new_coupled = []
+        for tx, s in zip(coupled, coupled_states):
+            grads, s = update_with_norm(tx, grads, s, params, norm)
+            new_coupled.append(s)
+        lr, new_lr_state = _learning_rate(learning_rate, lr_state, param_leaves[0])
+        decayed, decay = _decay(decay_states, mask_leaves_of, params, len(param_leaves), lr)
         count = adam_state.count + 1
         if coupled:  # the L2 term changed the grads; else their leaves are the ones flattened above
             grad_leaves = tree.leaves(grads)
@@ -266,17 +289,17 @@ def adam_with_fused_apply(
         args = (
             param_leaves, grad_leaves, mu_leaves, nu_leaves, nu_max_leaves, count, lr, decay, decayed, b1, b2, eps,
         )  # fmt: skip
-        if foreach.FLAGS.in_place and not foreach.FLAGS.per_tensor:  # a donated state: no copies
+        if in_place and not foreach.batched(param_leaves):  # a donated state: no copies (not under vmap)
             _fused_adam_(*args)
             new_params, mu, nu, nu_max = param_leaves, mu_leaves, nu_leaves, nu_max_leaves
         else:
             new_params, mu, nu, nu_max = _fused_adam(*args)
-        new_states[n_coupled] = ScaleByAdamState(
+        new_adam = ScaleByAdamState(
             count=count,
             mu=tree.unflatten(spec, mu),
             nu=tree.unflatten(spec, nu),
             nu_max=tree.unflatten(spec, nu_max) if amsgrad else None,
         )
-        return tree.unflatten(spec, new_params), tuple(new_states)
+        return tree.unflatten(spec, new_params), (*new_coupled, new_adam, *decay_states, new_lr_state)
 
     return GradientTransformation(init, unfused.update, apply)

@@ -36,7 +36,7 @@ import torch
 
 from functrain import tree
 from functrain.optim._leaves import describe_mismatch
-from functrain.optim.base import GradientTransformation, OptState
+from functrain.optim.base import GradientTransformation, NormFn, OptState, update_with_norm
 from functrain.optim.selection import param_names
 from functrain.tree import PyTree
 
@@ -127,6 +127,7 @@ def _run_groups(
     updates: PyTree,
     states: Mapping[Hashable, OptState],
     params: PyTree | None,
+    norm: NormFn | None = None,
 ) -> tuple[list[Any], dict[Hashable, OptState], Any, list[bool]]:
     """Run each group's transform; returns the output leaves, new states, treespec, and which leaves were handled."""
     update_leaves, spec = tree.flatten(updates)
@@ -144,7 +145,7 @@ def _run_groups(
         indices = [i for i, lab in enumerate(label_leaves) if lab == label]
         group_updates = _group(spec, update_leaves, indices)
         group_params = None if param_leaves is None else _group(spec, param_leaves, indices)
-        new_group, new_states[label] = tx.update(group_updates, states[label], group_params)
+        new_group, new_states[label] = update_with_norm(tx, group_updates, states[label], group_params, norm)
         new_leaves = tree.leaves(new_group)
         if len(new_leaves) != len(indices):
             raise ValueError(f"{who}: the transform for {label!r} changed the number of leaves")
@@ -204,11 +205,15 @@ def multi_transform(
         return MultiTransformState(inner_states=_init_groups(transforms, checked_labels(params), params))
 
     def update(
-        updates: PyTree, state: MultiTransformState, params: PyTree | None = None
+        updates: PyTree,
+        state: MultiTransformState,
+        params: PyTree | None = None,
+        *,
+        norm: NormFn | None = None,
     ) -> tuple[PyTree, MultiTransformState]:
         label_leaves = checked_labels(params if params is not None else updates)
         out, new_states, spec, _ = _run_groups(
-            who, transforms, label_leaves, updates, state.inner_states, params
+            who, transforms, label_leaves, updates, state.inner_states, params, norm
         )
         return tree.unflatten(spec, out), MultiTransformState(inner_states=new_states)
 
@@ -236,11 +241,11 @@ def masked(inner: GradientTransformation, mask: LabelTree) -> GradientTransforma
         return MaskedState(inner_state=states[True])
 
     def update(
-        updates: PyTree, state: MaskedState, params: PyTree | None = None
+        updates: PyTree, state: MaskedState, params: PyTree | None = None, *, norm: NormFn | None = None
     ) -> tuple[PyTree, MaskedState]:
         mask_leaves = mask_leaves_of(params if params is not None else updates)
         out, new_states, spec, _ = _run_groups(
-            who, {True: inner}, mask_leaves, updates, {True: state.inner_state}, params
+            who, {True: inner}, mask_leaves, updates, {True: state.inner_state}, params, norm
         )
         return tree.unflatten(spec, out), MaskedState(inner_state=new_states[True])
 
@@ -271,11 +276,11 @@ def freeze(inner: GradientTransformation, frozen: LabelTree) -> GradientTransfor
         return FreezeState(inner_state=states[False])
 
     def update(
-        updates: PyTree, state: FreezeState, params: PyTree | None = None
+        updates: PyTree, state: FreezeState, params: PyTree | None = None, *, norm: NormFn | None = None
     ) -> tuple[PyTree, FreezeState]:
         frozen_leaves = frozen_leaves_of(params if params is not None else updates)
         out, new_states, spec, handled = _run_groups(
-            who, {False: inner}, frozen_leaves, updates, {False: state.inner_state}, params
+            who, {False: inner}, frozen_leaves, updates, {False: state.inner_state}, params, norm
         )
         out = [x if done else torch.zeros_like(x) for x, done in zip(out, handled)]
         return tree.unflatten(spec, out), FreezeState(inner_state=new_states[False])

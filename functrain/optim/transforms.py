@@ -32,7 +32,13 @@ from functrain.optim._leaves import (
     scalar_dtype,
     zero_count,
 )
-from functrain.optim.base import EmptyState, GradientTransformation, ScalarOrSchedule, stateless_leafwise
+from functrain.optim.base import (
+    EmptyState,
+    GradientTransformation,
+    NormFn,
+    ScalarOrSchedule,
+    stateless_leafwise,
+)
 from functrain.optim.hyperparams import hyperparam_field
 from functrain.optim.schedules import evaluate
 from functrain.tree import PyTree
@@ -481,6 +487,8 @@ def scale_by_trust_ratio(
     """LAMB's layer-wise trust ratio: scale each leaf's update by ``||param|| / ||update||``.
 
     Norms are floored at ``min_norm``; where either norm is zero the ratio is 1 (as in optax).
+    ``update(..., norm=fn)`` takes the per-leaf norms with ``fn`` (a sharded step's are over all ranks'
+    rows; :data:`functrain.optim.NormFn`).
 
     Example:
         >>> tx = scale_by_trust_ratio()
@@ -496,13 +504,16 @@ def scale_by_trust_ratio(
     def init(params: PyTree) -> EmptyState:
         return EmptyState()
 
-    def update(updates: PyTree, state: EmptyState, params: PyTree | None = None) -> tuple[PyTree, EmptyState]:
+    def update(
+        updates: PyTree, state: EmptyState, params: PyTree | None = None, *, norm: NormFn | None = None
+    ) -> tuple[PyTree, EmptyState]:
         params = _require_params(who, params)
         leaves, (param_leaves,), spec = flatten_matching(who, updates, params)
         if not leaves:
             return updates, state
-        param_norms = torch.stack(foreach.norm(param_leaves)).clamp(min=min_norm)
-        update_norms = torch.stack(foreach.norm(leaves)).clamp(min=min_norm)
+        norms = foreach.norm if norm is None else norm
+        param_norms = torch.stack(norms(param_leaves)).clamp(min=min_norm)
+        update_norms = torch.stack(norms(leaves)).clamp(min=min_norm)
         ratio = trust_coefficient * param_norms / (update_norms + eps)
         ratio = torch.where((param_norms == 0) | (update_norms == 0), torch.ones_like(ratio), ratio)
         out = [u * r.to(u.dtype) for u, r in zip(leaves, ratio.unbind())]

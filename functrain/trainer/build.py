@@ -370,7 +370,7 @@ def initial_state(
     )
     if not config.init_weights_from:
         return state, None
-    layout = state.sharding
+    layout = state.layout
     whole = state if layout is None else state.replace(params=layout.full_params(state.params))
     whole, report = checkpoint.init_weights_from(
         config.init_weights_from, whole, tied_parameters=dict(state.tied)
@@ -381,9 +381,9 @@ def initial_state(
             f"no weight of {config.init_weights_from} matches the model by name and shape",
             "check the file and the model",
         )
-    if layout is not None and layout.sharding.shards_params:  # the loaded weights cut to this rank's rows
+    if layout is not None and layout.request.shards_params:  # the loaded weights cut to this rank's rows
         whole = whole.replace(
-            params={n: local_rows(p, layout.sharding).clone() for n, p in whole.params.items()}
+            params={n: local_rows(p, layout.request).clone() for n, p in whole.params.items()}
         )
     return whole, report
 

@@ -258,15 +258,15 @@ class Trainer:
         A sharded state (``config.sharding``) is gathered whole first (every rank calls ``save``; rank 0
         writes): the file is the one a single process training on the same data would save."""
         metadata = {"tied_parameters": dict(self.state.tied)}
-        state = self.state if self.state.sharding is None else self.state.sharding.full_state(self.state)
-        if self.state.sharding is None or distributed.is_main_process():
+        state = self.state if self.state.layout is None else self.state.layout.full_state(self.state)
+        if self.state.layout is None or distributed.is_main_process():
             checkpoint.save(path, state, step=ensemble.run_step(self.state), metadata=metadata)
         distributed.barrier()
 
     def load(self, path: str | os.PathLike[str]) -> TrainState:
         """Load a state saved by :meth:`save` (or a checkpoint of ``fit``, a sharded one's
         ``step_N.shards`` folder or manifest included) onto this trainer's state."""
-        if self.state.sharding is not None:
+        if self.state.layout is not None:
             self.state = sharded_state.load(self.state, path)
             return self.state
         raw = checkpoint.restore(path)

@@ -28,13 +28,13 @@ def load(state: Any, path: str | os.PathLike[str]) -> Any:
     """``state`` (sharded) with the checkpoint at ``path``: its rows for this rank. Collective: every
     rank calls it. A whole file is restored onto the gathered state, then cut to this rank's rows (the
     full state exists for that moment); a sharded checkpoint is read rows by rows."""
-    layout: ShardLayout = state.sharding
+    layout: ShardLayout = state.layout
     folder = Path(path)
     if folder.name == sharded.MANIFEST:
         folder = folder.parent
     found = _STEP_DIR.match(folder.name)
     if found is not None and folder.is_dir():
-        raw = sharded.restore_sharded(folder.parent, step=int(found.group(1)), sharding=layout.sharding)
+        raw = sharded.restore_sharded(folder.parent, step=int(found.group(1)), sharding=layout.request)
         return restore_onto(state, raw.get("state", raw) if isinstance(raw, dict) else raw)
     raw = checkpoint.restore(path)
     raw = raw.get("state", raw) if isinstance(raw, dict) else raw
@@ -42,6 +42,6 @@ def load(state: Any, path: str | os.PathLike[str]) -> Any:
     whole = restore_onto(layout.full_state(state), raw)
 
     def leaf(where: tuple[Any, ...], x: Any) -> Any:
-        return local_rows(x, layout.sharding).clone() if where in cut else x
+        return local_rows(x, layout.request).clone() if where in cut else x
 
-    return rebuild(whole, leaf).replace(sharding=layout)
+    return rebuild(whole, leaf).replace(layout=layout)
