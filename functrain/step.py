@@ -36,13 +36,15 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value
 
-from functrain import tree
+from functrain import distributed, tree
 from functrain.data.padding import masked_loss, trim, unmask
+from functrain.distributed.sharded_step import ShardedStep
 from functrain.distributed.strategy import DataParallel, Replicated
+from functrain.member_axis import is_ensemble, metric_naming, size
 from functrain.optim import all_finite, apply_gradients
 from functrain.precision import autocast_dtype
 from functrain.remat import routed_checkpoint
-from functrain.state import model_variables
+from functrain.variables import model_variables
 
 __all__ = [
     "LossFn",
@@ -117,9 +119,6 @@ class Step:
         gradient all-reduce over them), or an ensemble state given a step for one model."""
         if self.kind != "train":
             return
-        from functrain import distributed
-        from functrain.ensemble.stacked import is_ensemble, size
-
         if distributed.is_distributed():
             reducer = self.gradient_reducer
             if reducer is None or getattr(reducer, "world_size", 0) != distributed.world_size():
@@ -139,8 +138,6 @@ class Step:
     def naming(self, state: Any) -> Any:
         """How this step's metrics on ``state`` are named in the logs
         (:class:`functrain.logging.members.MetricNaming`): the ensemble supplies its per-member naming."""
-        from functrain.ensemble.stacked import metric_naming
-
         return metric_naming(state)
 
 
@@ -302,7 +299,7 @@ def _check_state_matches(state: Any, expected: frozenset[str] | None) -> None:
 
 
 def _tied_aliases(model: nn.Module | ApplyFn) -> dict[str, str]:
-    """``{alias: name}`` of the model's tied weights (:func:`functrain.state.model_variables`' ``tied``):
+    """``{alias: name}`` of the model's tied weights (:func:`functrain.variables.model_variables`' ``tied``):
     found once when a step is built, so that ``functional_call`` runs with ``tie_weights=False`` and does
     not look for them in every trace (~0.4 s of the 8.5 s dynamo trace of a 12-layer GPT's step,
     benchmarks/README.md)."""
@@ -670,8 +667,6 @@ def _strategy(model: nn.Module | ApplyFn, sharding: Any, gradient_reducer: Any, 
     """The parallel strategy the step runs on: ZeRO (``sharding``), data parallelism
     (``gradient_reducer``) or one process."""
     if sharding is not None:
-        from functrain.distributed.sharded_step import ShardedStep
-
         module = model if isinstance(model, nn.Module) else None
         return ShardedStep(sharding, model=module, gradient_reducer=gradient_reducer, precision_dtype=cast)
     return Replicated() if gradient_reducer is None else DataParallel(gradient_reducer)

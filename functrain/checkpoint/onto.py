@@ -16,6 +16,7 @@ import torch
 
 from functrain import tree
 from functrain.checkpoint import structure
+from functrain.checkpoint.shard_shapes import WHOLE_SHAPE, sharded_leaves
 from functrain.checkpoint.structure import Path
 
 __all__ = ["restore_onto"]
@@ -39,9 +40,7 @@ def restore_onto(target: Any, raw: Any, where: str = "state") -> Any:
     def whole_shapes(path: Path) -> tuple[int, ...] | None:
         nonlocal shapes
         if shapes is None:  # a shard's whole shape, looked up once something mismatches
-            from functrain.checkpoint.sharded import _sharded_paths
-
-            shapes = _sharded_paths(target)
+            shapes = sharded_leaves(target)
         return shapes.get(path)
 
     def leaf(node: Any, saved: Any, path: Path) -> Any:
@@ -110,8 +109,6 @@ def fit_checkpoint_hint(saved_keys: Iterable[Any], target: Any, sharded: bool = 
 def _shapes(saved: torch.Tensor, node: torch.Tensor, whole: tuple[int, ...] | None) -> str:
     """``checkpoint float32 [12, 16], model float32 [14, 16]``: whole shapes first, then the rows this
     rank holds of each side that is a shard (a ZeRO state's, or a sharded checkpoint's)."""
-    from functrain.checkpoint.sharded import WHOLE_SHAPE
-
     saved_whole = getattr(saved, WHOLE_SHAPE, None)
     text = f"checkpoint {saved.dtype} {list(saved_whole or saved.shape)}, "
     text += f"model {node.dtype} {list(whole or node.shape)}"

@@ -44,7 +44,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from functrain.distributed.blocks import Blocks, check_blocks
+from functrain.distributed.block_spec import Blocks, check_blocks
 from functrain.distributed.env import is_distributed
 
 __all__ = ["LEVELS", "Level", "ShardLayout", "Sharding", "fully_shard"]
