@@ -37,9 +37,9 @@ from torch import nn
 from torch.func import functional_call, grad_and_value
 
 from functrain import distributed, tree
-from functrain.data.padding import masked_loss, trim, unmask
 from functrain.distributed.sharded_step import ShardedStep
 from functrain.distributed.strategy import DataParallel, Replicated
+from functrain.masked_batch import masked_loss, trim, unmask
 from functrain.member_axis import is_ensemble, metric_naming, size
 from functrain.optim import all_finite, apply_gradients
 from functrain.precision import autocast_dtype
@@ -82,7 +82,7 @@ class Step:
         settle: what ``jit`` runs eagerly once before the first trace (a train step's forward).
         members: the step runs every member of an ensemble state at once (``functrain.ensemble``).
         sharding: how the step's state is laid out over the devices (``None``: replicated).
-        masked_batches: the step takes :class:`functrain.data.padding.MaskedBatch` inputs, so ``fit``,
+        masked_batches: the step takes :class:`functrain.data.MaskedBatch` inputs, so ``fit``,
             ``evaluate`` and ``predict`` pad a short last batch to the compiled batch size.
 
     Example:
@@ -194,7 +194,7 @@ def supervised_loss(criterion: Callable[[Any, Any], torch.Tensor]) -> LossFn:
 
     def per_example(model: Callable[..., Any], batch: Batch) -> tuple[torch.Tensor, dict[str, Any]]:
         # One loss per example (the criterion on each row as a batch of one), so that a padded batch's
-        # masked rows weigh exactly zero, dropout and all (functrain.data.padding.masked_loss).
+        # masked rows weigh exactly zero, dropout and all (functrain.masked_batch.masked_loss).
         x, y = _inputs_and_target(batch)
         preds = model(x)
         losses = torch.vmap(lambda p, t: criterion(p.unsqueeze(0), t.unsqueeze(0)))(preds, y)
@@ -478,7 +478,7 @@ def make_train_step(
 
     A padded batch (a :class:`~functrain.data.MaskedBatch`, ``Loader(..., pad_last=True)``) keeps the
     compiled shape for a short last batch: its masked rows weigh zero in the loss, the gradient, the
-    metrics and the data-parallel example weighting (:func:`functrain.data.padding.masked_loss` says
+    metrics and the data-parallel example weighting (:func:`functrain.masked_batch.masked_loss` says
     when that is exact: per-example losses always; other losses without dropout or BatchNorm).
 
     Returns:
@@ -541,7 +541,7 @@ def _loss_over_real_rows(
     first: Batch = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """``loss_fn``'s ``(loss, aux)``; given a ``mask`` (``mask, count, first``: :func:`_masking`), over
-    the real rows of a padded batch only (:func:`functrain.data.padding.masked_loss`)."""
+    the real rows of a padded batch only (:func:`functrain.masked_batch.masked_loss`)."""
     per_example = getattr(loss_fn, "per_example", None)
     return masked_loss(
         lambda b: _split_loss_output(loss_fn(call, b)),
