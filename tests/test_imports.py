@@ -12,6 +12,10 @@ How an import is resolved:
   (``functrain._lazy`` or a module ``__getattr__`` over ``_LAZY``), ``name`` loads the module the lazy
   table names, so the edge goes there: a lazy ``__init__`` imports nothing itself, its importer does;
 - imports under ``if TYPE_CHECKING:`` never run and are left out.
+
+The layers (:data:`LAYERS`, lowest first) are checked on the imports as written: a module imports only
+from its own layer or lower ones. A package ``__init__`` that an import runs on the way is left out of
+that check (its own imports are checked from its own node); it is in the cycle check.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ PACKAGE = "functrain"
 class Edge(NamedTuple):
     target: str
     where: str  # "path:line", for the failure message
+    implicit: bool  # a package __init__ that importing one of its sub-modules runs
 
 
 def module_names() -> dict[str, Path]:
@@ -142,7 +147,7 @@ def import_graph() -> dict[str, list[Edge]]:
                 where = f"{path.relative_to(ROOT.parent)}:{node.lineno}"
                 for runs in [*_ancestors(target), target]:
                     if runs not in above and runs != module:
-                        graph[module].append(Edge(runs, where))
+                        graph[module].append(Edge(runs, where, runs != target))
     return graph
 
 
@@ -204,6 +209,88 @@ def cycles(graph: dict[str, list[Edge]]) -> list[list[tuple[str, str]]]:
     return found
 
 
+# core -> optim -> step/parallel -> compile -> services -> loop -> trainer -> cli (issue #32); a module is
+# in the layer of its longest listed prefix.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    (
+        "core",
+        (
+            "functrain",  # the package __init__: lazy names only (functrain._lazy)
+            "functrain._lazy",
+            "functrain._version",
+            "functrain._atomic",
+            "functrain._foreach",
+            "functrain.tree",
+            "functrain.random",
+            "functrain.precision",
+            "functrain.variables",
+            "functrain.masked_batch",
+            "functrain.member_axis",
+            "functrain.metrics",
+            "functrain.logging.members",
+        ),
+    ),
+    ("optim", ("functrain.optim",)),
+    (
+        "step/parallel",
+        (
+            "functrain.state",
+            "functrain.step",
+            "functrain.distributed",
+            "functrain.remat",
+            "functrain.ensemble",
+        ),
+    ),
+    ("compile", ("functrain.jit", "functrain.compile")),
+    (
+        "services",
+        (
+            "functrain.data",
+            "functrain.checkpoint",
+            "functrain.logging",
+            "functrain.callbacks",
+            "functrain.config",
+            "functrain.model_summary",
+        ),
+    ),
+    ("loop", ("functrain.loop",)),
+    ("trainer", ("functrain.trainer",)),
+    ("cli", ("functrain.cli", "functrain.__main__")),
+]
+# Upward imports that hold until a module moves (each says what would have to move); the test fails once
+# one is gone, so that its line goes too.
+UPWARD = {
+    # compile/patch.py (a generic "patch these attributes for a block" context) belongs below remat, in
+    # the private machinery's own package
+    ("functrain.remat", "functrain.compile.patch"),
+    # checkpoint/structure.py's path-keyed walk (leaves_with_paths, rebuild) is a tree utility the sharded
+    # layout's full_state and sharded_leaves use: it would move to the core (beside functrain.tree)
+    ("functrain.distributed.sharding", "functrain.checkpoint.structure"),
+}
+
+
+def layer(module: str) -> int:
+    """The index in :data:`LAYERS` of ``module``'s layer."""
+    matches = [
+        (len(prefix), i)
+        for i, (_, prefixes) in enumerate(LAYERS)
+        for prefix in prefixes
+        if module == prefix or module.startswith(prefix + ".")
+    ]
+    assert matches, f"{module} is in no layer: add it to LAYERS in {__file__}"
+    return max(matches)[1]
+
+
+def upward_imports(graph: dict[str, list[Edge]]) -> dict[tuple[str, str], str]:
+    """``{(module, imported): "path:line"}`` of every import from a higher layer."""
+    found = {}
+    for module, edges in graph.items():
+        for edge in edges:
+            if not edge.implicit and layer(edge.target) > layer(module):
+                found.setdefault((module, edge.target), edge.where)
+    return found
+
+
 def describe(chain: list[tuple[str, str]]) -> str:
     links = [f"{module} ({where})" for module, where in chain]
     return " -> ".join([*links, chain[0][0]])
@@ -224,4 +311,21 @@ def test_no_import_cycle():
     found = cycles(import_graph())
     assert not found, "import cycles (module (file:line of the import) -> ...):\n" + "\n".join(
         describe(chain) for chain in found
+    )
+
+
+def test_every_module_is_in_a_layer():
+    for module in MODULES:
+        layer(module)
+
+
+def test_no_module_imports_from_a_higher_layer():
+    found = upward_imports(import_graph())
+    new = {pair: where for pair, where in found.items() if pair not in UPWARD}
+    assert not new, "imports from a higher layer (LAYERS in tests/test_imports.py):\n" + "\n".join(
+        f"{a} ({LAYERS[layer(a)][0]}) imports {b} ({LAYERS[layer(b)][0]}) at {where}"
+        for (a, b), where in sorted(new.items())
+    )
+    assert set(found) >= UPWARD, (
+        f"no longer imported upward, delete from UPWARD: {sorted(UPWARD - set(found))}"
     )
