@@ -15,9 +15,8 @@ from typing import Any
 import torch
 
 from functrain import tree
-from functrain.checkpoint import structure
 from functrain.checkpoint.shard_shapes import WHOLE_SHAPE, sharded_leaves
-from functrain.checkpoint.structure import Path
+from functrain.tree_walk import Path, children, leaves_with_paths, rebuild_node
 
 __all__ = ["restore_onto"]
 
@@ -59,7 +58,7 @@ def restore_onto(target: Any, raw: Any, where: str = "state") -> Any:
         return saved
 
     def walk(node: Any, saved: Any, path: Path) -> Any:
-        found = structure.children(node)
+        found = children(node)
         if found is None:
             return leaf(node, saved, path)
         kind, items = found
@@ -73,7 +72,7 @@ def restore_onto(target: Any, raw: Any, where: str = "state") -> Any:
                 values.append(child)
                 continue
             values.append(walk(child, sub, (*path, key)))
-        return structure.rebuild_node(node, kind, items, values)
+        return rebuild_node(node, kind, items, values)
 
     out = walk(target, raw, ())
     if problems:
@@ -119,4 +118,4 @@ def _shapes(saved: torch.Tensor, node: torch.Tensor, whole: tuple[int, ...] | No
 
 def _has_leaves(node: Any) -> bool:
     """Whether ``node`` holds anything to restore (``None`` and empty containers do not)."""
-    return any(leaf is not None for _, leaf in structure.leaves_with_paths(node))
+    return any(leaf is not None for _, leaf in leaves_with_paths(node))

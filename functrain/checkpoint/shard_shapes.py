@@ -14,8 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from functrain import tree
-from functrain.checkpoint import structure
 from functrain.distributed.sharding import ShardLayout
+from functrain.tree_walk import Path
 
 __all__ = ["WHOLE_SHAPE", "sharded_leaves", "sharded_states"]
 
@@ -24,7 +24,7 @@ __all__ = ["WHOLE_SHAPE", "sharded_leaves", "sharded_states"]
 WHOLE_SHAPE = "functrain_whole_shape"
 
 
-def sharded_states(obj: Any, prefix: structure.Path = ()) -> list[tuple[structure.Path, Any]]:
+def sharded_states(obj: Any, prefix: Path = ()) -> list[tuple[Path, Any]]:
     """``(path, state)`` of every sharded state in ``obj`` (the object itself, or inside dicts/lists:
     ``fit`` saves ``{"state": state, "loop": ...}``)."""
     if isinstance(getattr(obj, "layout", None), ShardLayout):
@@ -36,7 +36,7 @@ def sharded_states(obj: Any, prefix: structure.Path = ()) -> list[tuple[structur
     return []
 
 
-def sharded_leaves(obj: Any) -> dict[structure.Path, tuple[int, ...]]:
+def sharded_leaves(obj: Any) -> dict[Path, tuple[int, ...]]:
     """``{path: whole shape}`` of every sharded leaf of the sharded states in ``obj``."""
     return {
         (*prefix, *path): shape

@@ -45,6 +45,7 @@ from functrain.checkpoint.folder import CheckpointFolder
 from functrain.checkpoint.onto import fit_checkpoint_hint
 from functrain.checkpoint.shard_shapes import WHOLE_SHAPE, sharded_leaves, sharded_states
 from functrain.distributed.sharding import local_rows
+from functrain.tree_walk import Path, leaves_with_paths, rebuild
 
 __all__ = [
     "ShardedCheckpointManager",
@@ -314,7 +315,7 @@ def restore_sharded(
     s = found[0][1].layout.request if found else None
     wanted, targets = {}, {}
     problems = []
-    for path, leaf in structure.leaves_with_paths(target):
+    for path, leaf in leaves_with_paths(target):
         if not isinstance(leaf, torch.Tensor):
             continue
         where = tree.path_str(path)
@@ -343,7 +344,7 @@ def restore_sharded(
         )
     tensors = source.read(wanted)
 
-    def leaf_fn(path: structure.Path, old: Any) -> Any:
+    def leaf_fn(path: Path, old: Any) -> Any:
         if not isinstance(old, torch.Tensor):
             return old
         where = tree.path_str(path)
@@ -356,7 +357,7 @@ def restore_sharded(
             value = local_rows(value, s).clone()
         return value.to(old.device) if value.device != old.device else value
 
-    return structure.rebuild(target, leaf_fn)
+    return rebuild(target, leaf_fn)
 
 
 def _local_or_trimmed(
