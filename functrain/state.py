@@ -19,53 +19,12 @@ import torch
 from torch import nn
 
 from functrain import random, tree
+from functrain.distributed.sharded_step import apply_full_gradients
+from functrain.distributed.sharding import shard_variables
 from functrain.optim import GradientTransformation, apply_gradients
+from functrain.variables import model_variables
 
-__all__ = ["TrainState", "model_variables"]
-
-
-def model_variables(
-    model: nn.Module, *, copy: bool = True
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], tuple[tuple[str, str], ...], tuple[str, ...]]:
-    """Detached copies of a module's trainable parameters and of its other tensors (with
-    ``copy=False``, detached views sharing the module's memory).
-
-    Returns ``(params, buffers, tied, non_persistent)``:
-    - ``params``: parameters with ``requires_grad=True``, one entry per distinct tensor (tied weights
-      appear once, under their first name);
-    - ``buffers``: buffers, plus parameters with ``requires_grad=False`` (they are passed to the model but
-      neither differentiated nor updated: the PyTorch way of freezing works as users expect);
-    - ``tied``: ``(alias, canonical)`` name pairs for tensors registered under several names;
-    - ``non_persistent``: buffer names that ``state_dict()`` leaves out.
-    """
-
-    def own(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().clone() if copy else t.detach()
-
-    params: dict[str, torch.Tensor] = {}
-    buffers: dict[str, torch.Tensor] = {}
-    first_name: dict[int, str] = {}
-    tied: list[tuple[str, str]] = []
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first_name:
-            tied.append((name, first_name[id(p)]))
-            continue
-        first_name[id(p)] = name
-        (params if p.requires_grad else buffers)[name] = own(p)
-    non_persistent: list[str] = []
-    for mod_name, module in model.named_modules(remove_duplicate=False):
-        for b_name, b in module.named_buffers(prefix=mod_name, recurse=False, remove_duplicate=False):
-            if b is None:
-                continue
-            if id(b) in first_name:
-                if b_name != first_name[id(b)]:
-                    tied.append((b_name, first_name[id(b)]))
-                continue
-            first_name[id(b)] = b_name
-            buffers[b_name] = own(b)
-            if b_name.rsplit(".", 1)[-1] in module._non_persistent_buffers_set:
-                non_persistent.append(b_name)
-    return params, buffers, tuple(tied), tuple(non_persistent)
+__all__ = ["TrainState"]
 
 
 def _describe(tensors: Mapping[str, torch.Tensor] | Any) -> str:
@@ -180,8 +139,6 @@ class TrainState:
         params, buffers, tied, non_persistent = model_variables(model, copy=copy and sharding is None)
         layout = None
         if sharding is not None:
-            from functrain.distributed.sharding import shard_variables
-
             params, buffers, layout = shard_variables(params, buffers, sharding, device=device, dtype=dtype)
         elif device is not None or dtype is not None:
             params = _to(params, device, dtype)
@@ -215,8 +172,6 @@ class TrainState:
         if self.tx is None:
             raise ValueError("apply_gradients: this state has no optimizer (tx); create it with one")
         if self.layout is not None:  # full (already reduced) grads: this rank's rows are used
-            from functrain.distributed.sharded_step import apply_full_gradients
-
             return apply_full_gradients(self, grads)
         params, opt_state = apply_gradients(self.tx, grads, self.opt_state, self.params)
         return self.replace(step=self.step + 1, params=params, opt_state=opt_state)

@@ -36,13 +36,15 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value
 
-from functrain import tree
-from functrain.data.padding import masked_loss, trim, unmask
+from functrain import distributed, tree
+from functrain.distributed.sharded_step import ShardedStep
 from functrain.distributed.strategy import DataParallel, Replicated
+from functrain.masked_batch import masked_loss, trim, unmask
+from functrain.member_axis import is_ensemble, metric_naming, size
 from functrain.optim import all_finite, apply_gradients
 from functrain.precision import autocast_dtype
 from functrain.remat import routed_checkpoint
-from functrain.state import model_variables
+from functrain.variables import model_variables
 
 __all__ = [
     "LossFn",
@@ -80,7 +82,7 @@ class Step:
         settle: what ``jit`` runs eagerly once before the first trace (a train step's forward).
         members: the step runs every member of an ensemble state at once (``functrain.ensemble``).
         sharding: how the step's state is laid out over the devices (``None``: replicated).
-        masked_batches: the step takes :class:`functrain.data.padding.MaskedBatch` inputs, so ``fit``,
+        masked_batches: the step takes :class:`functrain.data.MaskedBatch` inputs, so ``fit``,
             ``evaluate`` and ``predict`` pad a short last batch to the compiled batch size.
 
     Example:
@@ -117,9 +119,6 @@ class Step:
         gradient all-reduce over them), or an ensemble state given a step for one model."""
         if self.kind != "train":
             return
-        from functrain import distributed
-        from functrain.ensemble.stacked import is_ensemble, size
-
         if distributed.is_distributed():
             reducer = self.gradient_reducer
             if reducer is None or getattr(reducer, "world_size", 0) != distributed.world_size():
@@ -139,8 +138,6 @@ class Step:
     def naming(self, state: Any) -> Any:
         """How this step's metrics on ``state`` are named in the logs
         (:class:`functrain.logging.members.MetricNaming`): the ensemble supplies its per-member naming."""
-        from functrain.ensemble.stacked import metric_naming
-
         return metric_naming(state)
 
 
@@ -197,7 +194,7 @@ def supervised_loss(criterion: Callable[[Any, Any], torch.Tensor]) -> LossFn:
 
     def per_example(model: Callable[..., Any], batch: Batch) -> tuple[torch.Tensor, dict[str, Any]]:
         # One loss per example (the criterion on each row as a batch of one), so that a padded batch's
-        # masked rows weigh exactly zero, dropout and all (functrain.data.padding.masked_loss).
+        # masked rows weigh exactly zero, dropout and all (functrain.masked_batch.masked_loss).
         x, y = _inputs_and_target(batch)
         preds = model(x)
         losses = torch.vmap(lambda p, t: criterion(p.unsqueeze(0), t.unsqueeze(0)))(preds, y)
@@ -302,7 +299,7 @@ def _check_state_matches(state: Any, expected: frozenset[str] | None) -> None:
 
 
 def _tied_aliases(model: nn.Module | ApplyFn) -> dict[str, str]:
-    """``{alias: name}`` of the model's tied weights (:func:`functrain.state.model_variables`' ``tied``):
+    """``{alias: name}`` of the model's tied weights (:func:`functrain.variables.model_variables`' ``tied``):
     found once when a step is built, so that ``functional_call`` runs with ``tie_weights=False`` and does
     not look for them in every trace (~0.4 s of the 8.5 s dynamo trace of a 12-layer GPT's step,
     benchmarks/README.md)."""
@@ -481,7 +478,7 @@ def make_train_step(
 
     A padded batch (a :class:`~functrain.data.MaskedBatch`, ``Loader(..., pad_last=True)``) keeps the
     compiled shape for a short last batch: its masked rows weigh zero in the loss, the gradient, the
-    metrics and the data-parallel example weighting (:func:`functrain.data.padding.masked_loss` says
+    metrics and the data-parallel example weighting (:func:`functrain.masked_batch.masked_loss` says
     when that is exact: per-example losses always; other losses without dropout or BatchNorm).
 
     Returns:
@@ -544,7 +541,7 @@ def _loss_over_real_rows(
     first: Batch = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """``loss_fn``'s ``(loss, aux)``; given a ``mask`` (``mask, count, first``: :func:`_masking`), over
-    the real rows of a padded batch only (:func:`functrain.data.padding.masked_loss`)."""
+    the real rows of a padded batch only (:func:`functrain.masked_batch.masked_loss`)."""
     per_example = getattr(loss_fn, "per_example", None)
     return masked_loss(
         lambda b: _split_loss_output(loss_fn(call, b)),
@@ -670,8 +667,6 @@ def _strategy(model: nn.Module | ApplyFn, sharding: Any, gradient_reducer: Any, 
     """The parallel strategy the step runs on: ZeRO (``sharding``), data parallelism
     (``gradient_reducer``) or one process."""
     if sharding is not None:
-        from functrain.distributed.sharded_step import ShardedStep
-
         module = model if isinstance(model, nn.Module) else None
         return ShardedStep(sharding, model=module, gradient_reducer=gradient_reducer, precision_dtype=cast)
     return Replicated() if gradient_reducer is None else DataParallel(gradient_reducer)

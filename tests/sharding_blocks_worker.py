@@ -21,7 +21,7 @@ from torchrun_exit import exit_skipping_teardown
 
 from functrain import distributed
 from functrain.distributed import sharding as sharding_mod
-from functrain.distributed.blocks import block_names
+from functrain.distributed.block_spec import block_names
 
 
 class BlockCNN(nn.Module):

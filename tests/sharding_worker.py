@@ -25,6 +25,7 @@ from torchrun_exit import exit_skipping_teardown
 import functrain as ft
 from functrain import distributed
 from functrain.checkpoint import sharded as ckpt
+from functrain.tree_walk import leaves_with_paths
 
 SIZES = (8, 7, 5, 3, 8, 6)  # global batch per step: uneven splits; with 4 ranks a batch of 3 leaves one empty
 VOCAB, SEQ, CLASSES = 11, 5, 3
@@ -170,7 +171,7 @@ def shard_sizes(state: Any) -> dict[str, Any]:
     layout, s = state.layout, state.layout.request
     sharded = layout.sharded_leaves(state)
     out = {}
-    for path, leaf in ft.checkpoint.structure.leaves_with_paths(state):
+    for path, leaf in leaves_with_paths(state):
         if path in sharded:
             out[ft.tree.path_str(path)] = (tuple(leaf.shape), s.local_shape(sharded[path]))
     return out

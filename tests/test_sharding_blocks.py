@@ -12,7 +12,7 @@ from torch import nn
 
 import functrain as ft
 from functrain import distributed
-from functrain.distributed.blocks import block_names
+from functrain.distributed.block_spec import block_names
 
 LOSS = ft.supervised_loss(nn.functional.cross_entropy)
 

@@ -23,7 +23,7 @@ from trainer_fixtures import SmallNet, make_dataset, quiet_config
 import functrain as ft
 from functrain.checkpoint import sharded as ckpt
 from functrain.cli import main as cli
-from functrain.distributed.blocks import block_names
+from functrain.distributed.block_spec import block_names
 
 HERE = Path(__file__).parent
 F64 = 1e-12

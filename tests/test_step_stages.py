@@ -10,8 +10,8 @@ from models import classification_batch, mlp
 
 import functrain as ft
 from functrain import step as step_module
-from functrain.data.padding import MaskedBatch
 from functrain.distributed.strategy import DataParallel, Replicated
+from functrain.masked_batch import MaskedBatch
 from functrain.precision import LossScale
 
 

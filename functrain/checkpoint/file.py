@@ -25,6 +25,7 @@ from functrain.checkpoint import structure
 from functrain.checkpoint.errors import CheckpointError
 from functrain.checkpoint.format import CheckpointHeader, TensorInfo
 from functrain.checkpoint.onto import fit_checkpoint_hint, restore_onto
+from functrain.tree_walk import Path, leaves_with_paths
 
 __all__ = ["read_header", "restore", "save"]
 
@@ -119,7 +120,7 @@ def _describe(value: Any) -> str:
     return f"{type(value).__qualname__}"
 
 
-def _mismatches(saved: dict[structure.Path, Any], wanted: dict[structure.Path, Any]) -> list[str]:
+def _mismatches(saved: dict[Path, Any], wanted: dict[Path, Any]) -> list[str]:
     problems = []
     for path, target in wanted.items():
         where = tree.path_str(path)
@@ -169,7 +170,7 @@ def restore(path: PathLike, target: Any = None) -> Any:
     name = os.fspath(path)
     with open_for_reading(path) as file:
         header = fmt.read_header(file, name=name)
-        saved_leaves: list[tuple[structure.Path, Any]] = []
+        saved_leaves: list[tuple[Path, Any]] = []
         structure.decode(header.tree, header.tensors, leaves=saved_leaves, name=name)
         if target is None:
             loaded: list[torch.Tensor | None] = [None] * len(header.tensors)
@@ -177,7 +178,7 @@ def restore(path: PathLike, target: Any = None) -> Any:
                 loaded[index] = tensor
             return structure.decode(header.tree, loaded, name=name)
         saved = dict(saved_leaves)
-        wanted = dict(structure.leaves_with_paths(target))
+        wanted = dict(leaves_with_paths(target))
         problems = _mismatches(saved, wanted)
         if problems:
             listing = "\n  ".join(problems)

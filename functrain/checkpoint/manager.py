@@ -34,6 +34,7 @@ from functrain.checkpoint import format as fmt
 from functrain.checkpoint import structure
 from functrain.checkpoint.errors import CheckpointError
 from functrain.checkpoint.folder import CheckpointFolder
+from functrain.checkpoint.shard_shapes import sharded_states
 from functrain.distributed.env import is_main_process
 
 __all__ = ["CheckpointManager"]
@@ -253,9 +254,7 @@ class CheckpointManager(CheckpointFolder):
 
 def _refuse_sharded(state: Any) -> None:
     """One writer would keep its own shards alone: a state sharded over ranks needs the sharded manager."""
-    from functrain.checkpoint.sharded import _layouts
-
-    for _, sharded in _layouts(state):
+    for _, sharded in sharded_states(state):
         world = sharded.layout.request.world_size
         if world > 1:
             raise CheckpointError(

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from functrain import tree
-from functrain.checkpoint import structure
-from functrain.checkpoint.structure import Path
+from functrain.checkpoint.shard_shapes import WHOLE_SHAPE, sharded_leaves
+from functrain.tree_walk import Path, children, leaves_with_paths, rebuild_node
 
 __all__ = ["restore_onto"]
 
@@ -39,9 +39,7 @@ def restore_onto(target: Any, raw: Any, where: str = "state") -> Any:
     def whole_shapes(path: Path) -> tuple[int, ...] | None:
         nonlocal shapes
         if shapes is None:  # a shard's whole shape, looked up once something mismatches
-            from functrain.checkpoint.sharded import _sharded_paths
-
-            shapes = _sharded_paths(target)
+            shapes = sharded_leaves(target)
         return shapes.get(path)
 
     def leaf(node: Any, saved: Any, path: Path) -> Any:
@@ -60,7 +58,7 @@ def restore_onto(target: Any, raw: Any, where: str = "state") -> Any:
         return saved
 
     def walk(node: Any, saved: Any, path: Path) -> Any:
-        found = structure.children(node)
+        found = children(node)
         if found is None:
             return leaf(node, saved, path)
         kind, items = found
@@ -74,7 +72,7 @@ def restore_onto(target: Any, raw: Any, where: str = "state") -> Any:
                 values.append(child)
                 continue
             values.append(walk(child, sub, (*path, key)))
-        return structure.rebuild_node(node, kind, items, values)
+        return rebuild_node(node, kind, items, values)
 
     out = walk(target, raw, ())
     if problems:
@@ -110,8 +108,6 @@ def fit_checkpoint_hint(saved_keys: Iterable[Any], target: Any, sharded: bool = 
 def _shapes(saved: torch.Tensor, node: torch.Tensor, whole: tuple[int, ...] | None) -> str:
     """``checkpoint float32 [12, 16], model float32 [14, 16]``: whole shapes first, then the rows this
     rank holds of each side that is a shard (a ZeRO state's, or a sharded checkpoint's)."""
-    from functrain.checkpoint.sharded import WHOLE_SHAPE
-
     saved_whole = getattr(saved, WHOLE_SHAPE, None)
     text = f"checkpoint {saved.dtype} {list(saved_whole or saved.shape)}, "
     text += f"model {node.dtype} {list(whole or node.shape)}"
@@ -122,4 +118,4 @@ def _shapes(saved: torch.Tensor, node: torch.Tensor, whole: tuple[int, ...] | No
 
 def _has_leaves(node: Any) -> bool:
     """Whether ``node`` holds anything to restore (``None`` and empty containers do not)."""
-    return any(leaf is not None for _, leaf in structure.leaves_with_paths(node))
+    return any(leaf is not None for _, leaf in leaves_with_paths(node))

@@ -43,7 +43,9 @@ from functrain.checkpoint import structure
 from functrain.checkpoint.errors import CheckpointError
 from functrain.checkpoint.folder import CheckpointFolder
 from functrain.checkpoint.onto import fit_checkpoint_hint
+from functrain.checkpoint.shard_shapes import WHOLE_SHAPE, sharded_leaves, sharded_states
 from functrain.distributed.sharding import local_rows
+from functrain.tree_walk import Path, leaves_with_paths, rebuild
 
 __all__ = [
     "ShardedCheckpointManager",
@@ -55,9 +57,6 @@ __all__ = [
 ]
 
 MANIFEST = "manifest.ckpt"
-# The saved leaf's global shape, set on the rows a plain restore with ``sharding=`` returns (this rank's
-# block), so that ``restore_onto`` reports a mismatch in whole shapes ([12, 16] vs [14, 16]), not blocks.
-WHOLE_SHAPE = "functrain_whole_shape"
 _DIR = re.compile(r"^step_(\d+)\.shards$")
 _KEY = "functrain_sharded"
 # a param leaf's path as tree.path_str writes it: "params.w", "state.params['fc.weight']"
@@ -72,30 +71,8 @@ def _rank_file(rank: int, world_size: int) -> str:
     return f"rank_{rank:05d}_of_{world_size:05d}.ckpt"
 
 
-def _layouts(obj: Any, prefix: structure.Path = ()) -> list[tuple[structure.Path, Any]]:
-    """``(path, state)`` of every sharded state in ``obj`` (the object itself, or inside dicts/lists:
-    ``fit`` saves ``{"state": state, "loop": ...}``)."""
-    from functrain.distributed.sharding import ShardLayout
-
-    if isinstance(getattr(obj, "layout", None), ShardLayout):
-        return [(prefix, obj)]
-    if isinstance(obj, dict):
-        return [found for k, v in obj.items() for found in _layouts(v, (*prefix, k))]
-    if isinstance(obj, list | tuple) and not tree.is_struct(obj):
-        return [found for i, v in enumerate(obj) for found in _layouts(v, (*prefix, i))]
-    return []
-
-
-def _sharded_paths(obj: Any) -> dict[structure.Path, tuple[int, ...]]:
-    return {
-        (*prefix, *path): shape
-        for prefix, state in _layouts(obj)
-        for path, shape in state.layout.sharded_leaves(state).items()
-    }
-
-
 def _group_of(obj: Any) -> tuple[Any, int, int]:
-    found = _layouts(obj)
+    found = sharded_states(obj)
     layout = found[0][1].layout if found else None
     if layout is not None:
         s = layout.request
@@ -156,7 +133,7 @@ def save_sharded(
             raise error
         raise CheckpointError(f"{folder}: another rank failed to write its shard; step {step} not committed")
     if rank == 0:
-        sharded = _sharded_paths(state)
+        sharded = sharded_leaves(state)
         manifest = {
             "world_size": world,
             "files": [_rank_file(r, world) for r in range(world)],
@@ -333,12 +310,12 @@ def restore_sharded(
         loaded = [_local_or_trimmed(source, info.path, tensors, local, info) for info in header0.tensors]
         return structure.decode(header0.tree, loaded, name=source.files[0])
 
-    found = _layouts(target)
-    mine = _sharded_paths(target)
+    found = sharded_states(target)
+    mine = sharded_leaves(target)
     s = found[0][1].layout.request if found else None
     wanted, targets = {}, {}
     problems = []
-    for path, leaf in structure.leaves_with_paths(target):
+    for path, leaf in leaves_with_paths(target):
         if not isinstance(leaf, torch.Tensor):
             continue
         where = tree.path_str(path)
@@ -367,7 +344,7 @@ def restore_sharded(
         )
     tensors = source.read(wanted)
 
-    def leaf_fn(path: structure.Path, old: Any) -> Any:
+    def leaf_fn(path: Path, old: Any) -> Any:
         if not isinstance(old, torch.Tensor):
             return old
         where = tree.path_str(path)
@@ -380,7 +357,7 @@ def restore_sharded(
             value = local_rows(value, s).clone()
         return value.to(old.device) if value.device != old.device else value
 
-    return structure.rebuild(target, leaf_fn)
+    return rebuild(target, leaf_fn)
 
 
 def _local_or_trimmed(

@@ -22,6 +22,7 @@ from functrain.checkpoint import format as fmt
 from functrain.checkpoint import structure
 from functrain.checkpoint.errors import CheckpointError
 from functrain.checkpoint.file import open_for_reading
+from functrain.tree_walk import Path
 
 __all__ = ["checkpoint_weights", "import_safetensors", "load_state_dict", "weight_name"]
 
@@ -41,7 +42,7 @@ def import_safetensors() -> Any:
     return safetensors.torch
 
 
-def weight_name(path: structure.Path) -> str | None:
+def weight_name(path: Path) -> str | None:
     """The parameter/buffer name a checkpoint path holds: ``("params", "fc.weight")`` -> ``"fc.weight"``.
 
     ``fit`` saves ``{"state": train_state, "loop": ...}``, so ``("state", "params", name)`` counts too.
@@ -67,7 +68,7 @@ def checkpoint_weights(
     wanted = wanted or (lambda _: True)
     with open_for_reading(path) as file:
         header = fmt.read_header(file, name=name)
-        leaves: list[tuple[structure.Path, Any]] = []
+        leaves: list[tuple[Path, Any]] = []
         structure.decode(header.tree, header.tensors, leaves=leaves, name=name)
         tensor_leaves = [(p, v) for p, v in leaves if isinstance(v, fmt.TensorInfo)]
         names = [weight_name(p) for p, _ in tensor_leaves]

@@ -20,42 +20,20 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-from collections import OrderedDict, defaultdict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from functrain import tree
 from functrain.checkpoint.errors import CheckpointError
+from functrain.tree_walk import Path, children
 
-__all__ = ["Path", "children", "decode", "encode", "leaves_with_paths", "rebuild", "rebuild_node"]
+__all__ = ["decode", "encode"]
 
-Path = tuple[Any, ...]
 _KEY_TYPES = (str, int, float, bool, type(None))
 _CONTAINER_TAGS = ("dict", "list", "tuple", "namedtuple", "struct")
 _INT_RANGE = (-(2**63), 2**64 - 1)  # what a msgpack integer holds
-
-
-def _is_namedtuple(obj: Any) -> bool:
-    return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
-
-
-def _children(obj: Any) -> tuple[str, list[tuple[Any, Any]]] | None:
-    """``(kind, [(key, child), ...])`` for a container, ``None`` for a leaf."""
-    if tree.is_struct(obj) and not isinstance(obj, type):
-        data, _static = obj.__functrain_struct__
-        return "struct", [(name, getattr(obj, name)) for name in data]
-    if _is_namedtuple(obj):
-        return "namedtuple", list(zip(obj._fields, obj))
-    if isinstance(obj, dict):
-        return "dict", list(obj.items())
-    if isinstance(obj, (list, deque)):
-        return "list", list(enumerate(obj))
-    if isinstance(obj, tuple):
-        return "tuple", list(enumerate(obj))
-    return None
 
 
 def _where(path: Path) -> str:
@@ -103,7 +81,7 @@ def encode(obj: Any) -> tuple[list[Any], list[tuple[Path, torch.Tensor]]]:
     tensors: list[tuple[Path, torch.Tensor]] = []
 
     def walk(node: Any, path: Path) -> list[Any]:
-        found = _children(node)
+        found = children(node)
         if found is None:
             return _encode_leaf(node, path, tensors)
         kind, items = found
@@ -115,10 +93,10 @@ def encode(obj: Any) -> tuple[list[Any], list[tuple[Path, torch.Tensor]]]:
                         "checkpoint dict keys must be str, int, float, bool or None"
                     )
             return ["dict", [[key, walk(child, (*path, key))] for key, child in items]]
-        children = [walk(child, (*path, key)) for key, child in items]
+        encoded = [walk(child, (*path, key)) for key, child in items]
         if kind in ("namedtuple", "struct"):
-            return [kind, type(node).__qualname__, [key for key, _ in items], children]
-        return [kind, children]
+            return [kind, type(node).__qualname__, [key for key, _ in items], encoded]
+        return [kind, encoded]
 
     return walk(obj, ()), tensors
 
@@ -222,69 +200,3 @@ def decode(
             "the tree"
         )
     return result
-
-
-def leaves_with_paths(obj: Any) -> list[tuple[Path, Any]]:
-    """Every leaf of ``obj`` (``None`` included) with its path, in the order :func:`encode` visits them.
-
-    Example:
-        >>> leaves_with_paths({"a": [1, None]})
-        [(('a', 0), 1), (('a', 1), None)]
-    """
-    out: list[tuple[Path, Any]] = []
-
-    def walk(node: Any, path: Path) -> None:
-        found = _children(node)
-        if found is None:
-            out.append((path, node))
-            return
-        for key, child in found[1]:
-            walk(child, (*path, key))
-
-    walk(obj, ())
-    return out
-
-
-def rebuild(target: Any, leaf_fn: Callable[[Path, Any], Any]) -> Any:
-    """A copy of ``target`` with every leaf replaced by ``leaf_fn(path, leaf)``; containers keep their types.
-
-    Struct static fields, named-tuple types and dict subclasses come from ``target``.
-
-    Example:
-        >>> rebuild({"a": (1, 2)}, lambda path, leaf: leaf * 10)
-        {'a': (10, 20)}
-    """
-
-    def walk(node: Any, path: Path) -> Any:
-        found = _children(node)
-        if found is None:
-            return leaf_fn(path, node)
-        kind, items = found
-        return rebuild_node(node, kind, items, [walk(child, (*path, key)) for key, child in items])
-
-    return walk(target, ())
-
-
-def children(obj: Any) -> tuple[str, list[tuple[Any, Any]]] | None:
-    """``(kind, [(key, child), ...])`` for a container (dict, list, tuple, named tuple, struct), ``None``
-    for a leaf: what :func:`encode` walks."""
-    return _children(obj)
-
-
-def rebuild_node(node: Any, kind: str, items: list[tuple[Any, Any]], values: list[Any]) -> Any:
-    """``node`` (a container, whose ``_children`` are ``kind, items``) with its children replaced by
-    ``values``, in order; its type, struct static fields and dict subclass kept."""
-    if kind == "struct":
-        return dataclasses.replace(node, **{key: v for (key, _), v in zip(items, values)})
-    if kind == "namedtuple":
-        return type(node)(*values)
-    if kind == "dict":
-        pairs = [(key, v) for (key, _), v in zip(items, values)]
-        if isinstance(node, defaultdict):
-            return defaultdict(node.default_factory, pairs)
-        if isinstance(node, OrderedDict):
-            return type(node)(pairs)
-        return dict(pairs) if type(node) is dict else type(node)(pairs)
-    if isinstance(node, deque):
-        return deque(values, maxlen=node.maxlen)
-    return type(node)(values)

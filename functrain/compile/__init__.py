@@ -8,7 +8,8 @@
 - :mod:`.wrappers`: what jit wraps a step in (donation, kept layouts, a code object of its own, the eager
   forward before the first trace);
 - :mod:`.traceable`: the model made traceable while dynamo traces (:mod:`.rnn`, :mod:`.attention_paths`,
-  :mod:`.quiet_logging`, torch.utils.checkpoint through :mod:`functrain.remat`), by :mod:`.patch`.
+  :mod:`.quiet_logging`, torch.utils.checkpoint through :mod:`functrain.remat`), set for the trace by
+  :func:`functrain._patch.patched` (below :mod:`functrain.remat`, which uses it too).
 
-Nothing is imported here: ``functrain.remat`` imports :mod:`.patch` without loading the rest.
+Nothing is imported here: what a module needs of jit's internals it imports itself.
 """

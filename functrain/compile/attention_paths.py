@@ -33,7 +33,7 @@ import torch.backends.mha as mha_backend
 import torch.nn.modules.transformer as transformer_module
 from torch import nn
 
-from functrain.compile.patch import patched
+from functrain._patch import patched
 
 __all__ = ["causal_hint", "traceable_attention"]
 

@@ -15,12 +15,13 @@ from functrain.data.build import as_loader
 from functrain.data.collate import CollateError, collate, empty_batch, num_examples
 from functrain.data.loader import Loader
 from functrain.data.order import epoch_order, shard_batches
-from functrain.data.padding import MaskedBatch, pad_batch, trim, unmask
+from functrain.data.padding import pad_batch
 from functrain.data.position import DataPosition, num_batches, num_steps
 from functrain.data.prefetch import Prefetcher, prefetch_to_device
 from functrain.data.shuffle_buffer import ShuffleBuffer
 from functrain.data.sources import ResumeWarning, is_stream
 from functrain.data.transfer import pin_memory, to_device
+from functrain.masked_batch import MaskedBatch, trim, unmask
 
 __all__ = [
     "CollateError",

@@ -44,8 +44,9 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from functrain.distributed.blocks import Blocks, check_blocks
+from functrain.distributed.block_spec import Blocks, check_blocks
 from functrain.distributed.env import is_distributed
+from functrain.tree_walk import leaves_with_paths, rebuild
 
 __all__ = ["LEVELS", "Level", "ShardLayout", "Sharding", "fully_shard"]
 
@@ -339,8 +340,6 @@ class ShardLayout:
 
         Params are shards under ZeRO-3; an optimizer-state leaf is the shard of a param when its path
         ends with that param's name and it has the shard's shape (``tx.init`` made it from the shard)."""
-        from functrain.checkpoint.structure import leaves_with_paths
-
         shapes = dict(self.shapes)
         out: dict[tuple[Any, ...], tuple[int, ...]] = {}
         for path, leaf in leaves_with_paths(state):
@@ -362,8 +361,6 @@ class ShardLayout:
     def full_state(self, state: Any) -> Any:
         """The state with every shard gathered (params and optimizer state whole, ``layout=None``):
         what one process training on the same data would hold. Collective, one leaf at a time."""
-        from functrain.checkpoint.structure import rebuild
-
         sharded = self.sharded_leaves(state)
 
         def leaf(path: tuple[Any, ...], x: Any) -> Any:

@@ -23,15 +23,14 @@ Example:
 from functrain.ensemble.stacked import (
     create,
     initialise,
-    is_ensemble,
     member,
     members,
     run_key,
     run_step,
-    size,
     stack,
 )
 from functrain.ensemble.steps import MemberMetrics, eval_step, predict_step, step, vmap_members
+from functrain.member_axis import is_ensemble, size
 
 __all__ = [
     "MemberMetrics",

@@ -28,58 +28,19 @@ import torch
 from torch import nn
 
 from functrain import optim, tree
-from functrain.logging.members import MemberNaming, MetricNaming
+from functrain.member_axis import is_ensemble, size
 from functrain.optim import GradientTransformation
 from functrain.state import TrainState
 
 __all__ = [
     "create",
     "initialise",
-    "is_ensemble",
     "member",
     "members",
-    "metric_naming",
     "run_key",
     "run_step",
-    "size",
     "stack",
 ]
-
-
-def is_ensemble(state: Any) -> bool:
-    """True for a stacked state (its ``step`` has a member axis).
-
-    Example:
-        >>> is_ensemble(ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd(0.1)))
-        False
-    """
-    step = getattr(state, "step", None)
-    return isinstance(step, torch.Tensor) and step.ndim == 1
-
-
-def size(state: Any) -> int:
-    """The number of members of a stacked state.
-
-    Example:
-        >>> size(create(torch.nn.Linear(2, 1), ft.optim.sgd(0.1), n=4))
-        4
-    """
-    if not is_ensemble(state):
-        raise ValueError(
-            "not an ensemble state: its step is 0-d; build one with functrain.ensemble.create(...) or stack([...])"
-        )
-    return int(state.step.shape[0])
-
-
-def metric_naming(state: Any) -> MetricNaming:
-    """How the loop names ``state``'s metrics: each member's, the mean, best and worst for an ensemble
-    (:class:`~functrain.logging.members.MemberNaming`), plain scalars for one model.
-
-    Example:
-        >>> metric_naming(create(torch.nn.Linear(2, 1), ft.optim.sgd(0.1), n=3)).shape
-        (3,)
-    """
-    return MemberNaming(size(state)) if is_ensemble(state) else MetricNaming()
 
 
 def run_key(state: Any) -> torch.Tensor:

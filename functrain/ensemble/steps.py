@@ -33,7 +33,7 @@ import torch.utils._pytree as torch_pytree
 from torch.func import vmap
 
 from functrain import tree
-from functrain.ensemble.stacked import size
+from functrain.member_axis import size
 from functrain.step import Step, as_step
 
 __all__ = ["MemberMetrics", "eval_step", "predict_step", "step", "vmap_members"]

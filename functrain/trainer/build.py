@@ -33,7 +33,7 @@ from functrain.checkpoint.sharded import ShardedCheckpointManager
 from functrain.config import ConfigError, TrainerConfig
 from functrain.config.schedules import SCHEDULES
 from functrain.config.section import type_hints
-from functrain.distributed.blocks import unknown_block_names
+from functrain.distributed.block_spec import unknown_block_names
 from functrain.distributed.sharding import local_rows
 from functrain.jit import CompiledStep, jit
 from functrain.precision import LossScale
