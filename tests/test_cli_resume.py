@@ -15,18 +15,9 @@ from pathlib import Path
 
 import pytest
 from test_cli_errors import _MYTASK, ROOT, assert_one_line_refusal
+from test_cli_errors import _RUN as _RUN_TEMPLATE
 
-_RUN = """\
-output_dir: runs/reg
-model: mytask:Net
-train_dataset: mytask:train_set
-epochs: 1
-batch_size: 8
-compile: false
-device: cpu
-progress_bar: false
-print_summary: false
-"""
+_RUN = _RUN_TEMPLATE.format(out="runs/reg")  # the errors tests' project, run in runs/reg
 
 
 @pytest.fixture
