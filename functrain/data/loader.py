@@ -150,27 +150,23 @@ class Loader:
         self._source: MapSource | IterableSource | DataLoaderSource
 
         if isinstance(data, DataLoader):
-            given = {
-                "batch_size": batch_size is not None,
-                "shuffle": shuffle is not None,
-                "key": key is not None,
-                "drop_last": drop_last,
-                "collate_fn": collate_fn is not None,
-                "num_workers": num_workers != 0,
-                "persistent_workers": not persistent_workers,
-                "prefetch_factor": prefetch_factor is not None,
-                "worker_init_fn": worker_init_fn is not None,
-                "pin_memory": pin_memory,
-                "rank/world_size": world_size != 1,
-                "pad_last": pad_last,
-                "shuffle_buffer": shuffle_buffer is not None,
-            }
-            if any(given.values()):
-                names = ", ".join(name for name, is_given in given.items() if is_given)
-                raise ValueError(
-                    f"Loader: got a DataLoader together with {names}; a DataLoader is used as it is. "
-                    "Set those on the DataLoader, or pass its dataset to Loader instead"
-                )
+            _refuse_options_beside_a_dataloader(
+                {
+                    "batch_size": batch_size is not None,
+                    "shuffle": shuffle is not None,
+                    "key": key is not None,
+                    "drop_last": drop_last,
+                    "collate_fn": collate_fn is not None,
+                    "num_workers": num_workers != 0,
+                    "persistent_workers": not persistent_workers,
+                    "prefetch_factor": prefetch_factor is not None,
+                    "worker_init_fn": worker_init_fn is not None,
+                    "pin_memory": pin_memory,
+                    "rank/world_size": world_size != 1,
+                    "pad_last": pad_last,
+                    "shuffle_buffer": shuffle_buffer is not None,
+                }
+            )
             self._source = DataLoaderSource(data)
             return
 
@@ -186,59 +182,32 @@ class Loader:
         _check_int("batch_size", batch_size, minimum=1)
         workers = WorkerOptions(num_workers, bool(persistent_workers), prefetch_factor, worker_init_fn)
         if is_stream(data):
-            if shuffle and not shuffle_buffer:
-                raise ValueError(
-                    f"Loader: shuffle=True on a stream ({type(data).__name__}: an iterable dataset, read in "
-                    "its own order) needs shuffle_buffer=N, a buffer of N examples shuffled by key and "
-                    "epoch (TrainerConfig.shuffle_buffer_size); or pass shuffle=False"
-                )
-            if shuffle and key is None:
-                raise ValueError("Loader: a shuffle buffer needs key= (e.g. functrain.random.key(0))")
-            if world_size != 1:
-                raise ValueError(
-                    "Loader: an iterable dataset cannot be sharded by Loader (world_size > 1); have the "
-                    "dataset yield only this rank's examples and pass world_size=1"
-                )
-            self._source = IterableSource(
+            self._source = _stream_source(
                 data,
                 batch_size,
-                drop_last=drop_last,
-                collate_fn=collate_fn,
-                workers=workers,
-                pin_memory=pin_memory,
-                key=key,
-                shuffle_buffer=shuffle_buffer if shuffle else None,
+                shuffle,
+                key,
+                drop_last,
+                collate_fn,
+                workers,
+                pin_memory,
+                world_size,
+                shuffle_buffer,
             )
             return
 
-        if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
-            raise TypeError(
-                f"Loader: data must be a map-style dataset (__len__ and __getitem__), an IterableDataset or "
-                f"a DataLoader, got {type(data).__name__}"
-            )
-        if shuffle_buffer is not None:
-            raise ValueError(
-                "Loader: shuffle_buffer is for streams (iterable datasets); a map-style dataset is permuted "
-                "whole every epoch (shuffle=True)"
-            )
-        shuffle = True if shuffle is None else shuffle
-        if shuffle and key is None:
-            raise ValueError(
-                "Loader: shuffle=True needs key= (e.g. functrain.random.key(0), or a key split from the "
-                "train state's rng) so that every epoch's order can be recomputed on resume; "
-                "or pass shuffle=False"
-            )
-        self._source = MapSource(
+        self._source = _map_source(
             data,
             batch_size,
-            shuffle=shuffle,
-            key=key,
-            drop_last=drop_last,
-            collate_fn=collate_fn,
-            workers=workers,
-            pin_memory=pin_memory,
-            rank=rank,
-            world_size=world_size,
+            shuffle,
+            key,
+            drop_last,
+            collate_fn,
+            workers,
+            pin_memory,
+            rank,
+            world_size,
+            shuffle_buffer,
         )
 
     # ------------------------------------------------------------------------------------------ sizes
@@ -450,3 +419,96 @@ def _mapped(items: Iterator[Any], transfer: Callable[[Any], Any]) -> Iterator[An
 def _check_int(name: str, value: Any, *, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"Loader: {name} must be an int >= {minimum}, got {value!r}")
+
+
+def _refuse_options_beside_a_dataloader(given: dict[str, bool]) -> None:
+    """A DataLoader is used as it is: refuse the Loader options that would be ignored, naming them."""
+    if any(given.values()):
+        names = ", ".join(name for name, is_given in given.items() if is_given)
+        raise ValueError(
+            f"Loader: got a DataLoader together with {names}; a DataLoader is used as it is. "
+            "Set those on the DataLoader, or pass its dataset to Loader instead"
+        )
+
+
+def _stream_source(
+    data: Any,
+    batch_size: int,
+    shuffle: bool | None,
+    key: torch.Tensor | None,
+    drop_last: bool,
+    collate_fn: Callable[[list[Any]], Any] | None,
+    workers: WorkerOptions,
+    pin_memory: bool,
+    world_size: int,
+    shuffle_buffer: int | None,
+) -> IterableSource:
+    """An iterable dataset's source, read in its own order or through a seeded shuffle buffer."""
+    if shuffle and not shuffle_buffer:
+        raise ValueError(
+            f"Loader: shuffle=True on a stream ({type(data).__name__}: an iterable dataset, read in "
+            "its own order) needs shuffle_buffer=N, a buffer of N examples shuffled by key and "
+            "epoch (TrainerConfig.shuffle_buffer_size); or pass shuffle=False"
+        )
+    if shuffle and key is None:
+        raise ValueError("Loader: a shuffle buffer needs key= (e.g. functrain.random.key(0))")
+    if world_size != 1:
+        raise ValueError(
+            "Loader: an iterable dataset cannot be sharded by Loader (world_size > 1); have the "
+            "dataset yield only this rank's examples and pass world_size=1"
+        )
+    return IterableSource(
+        data,
+        batch_size,
+        drop_last=drop_last,
+        collate_fn=collate_fn,
+        workers=workers,
+        pin_memory=pin_memory,
+        key=key,
+        shuffle_buffer=shuffle_buffer if shuffle else None,
+    )
+
+
+def _map_source(
+    data: Any,
+    batch_size: int,
+    shuffle: bool | None,
+    key: torch.Tensor | None,
+    drop_last: bool,
+    collate_fn: Callable[[list[Any]], Any] | None,
+    workers: WorkerOptions,
+    pin_memory: bool,
+    rank: int,
+    world_size: int,
+    shuffle_buffer: int | None,
+) -> MapSource:
+    """A map-style dataset's source, permuted whole every epoch by ``key`` unless ``shuffle=False``."""
+    if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+        raise TypeError(
+            f"Loader: data must be a map-style dataset (__len__ and __getitem__), an IterableDataset or "
+            f"a DataLoader, got {type(data).__name__}"
+        )
+    if shuffle_buffer is not None:
+        raise ValueError(
+            "Loader: shuffle_buffer is for streams (iterable datasets); a map-style dataset is permuted "
+            "whole every epoch (shuffle=True)"
+        )
+    shuffle = True if shuffle is None else shuffle
+    if shuffle and key is None:
+        raise ValueError(
+            "Loader: shuffle=True needs key= (e.g. functrain.random.key(0), or a key split from the "
+            "train state's rng) so that every epoch's order can be recomputed on resume; "
+            "or pass shuffle=False"
+        )
+    return MapSource(
+        data,
+        batch_size,
+        shuffle=shuffle,
+        key=key,
+        drop_last=drop_last,
+        collate_fn=collate_fn,
+        workers=workers,
+        pin_memory=pin_memory,
+        rank=rank,
+        world_size=world_size,
+    )
