@@ -330,7 +330,7 @@ def test_compiled_ensemble_is_one_graph_and_matches_eager():
         "functrain.ensemble.stacked",
         "functrain.ensemble.steps",
         "functrain.logging.members",
-        "functrain._foreach",
+        "functrain.core.foreach",
     ],
 )
 def test_docstring_examples(name):

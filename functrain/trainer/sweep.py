@@ -232,7 +232,7 @@ def write_results(
     rows: Sequence[Mapping[str, Any]], directory: str | os.PathLike[str], best: int | None = None
 ) -> tuple[Path, Path]:
     """Write ``sweep_results.csv`` and ``sweep_results.md`` (the ``best`` member marked) in ``directory``."""
-    from functrain._atomic import replace_text
+    from functrain.core.atomic import replace_text
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
