@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.func import grad_and_value
 
 from functrain import tree
 from functrain.core.masked_batch import unmask
@@ -40,6 +39,7 @@ from functrain.step.batch import (
     split_batch,
 )
 from functrain.step.bind import ApplyFn, autocast, checkpoint_routing, device_of, mode_setter, model_call
+from functrain.step.grad import loss_and_grad
 
 __all__ = ["make_train_step"]
 
@@ -165,7 +165,8 @@ def _has_batchnorm(model: nn.Module | ApplyFn) -> bool:
 
 def _loss_and_grad(loss_fn: LossFn, bind: Callable[..., Any], cast: torch.dtype | None) -> Callable[..., Any]:
     """``grad_fn(params, buffers, batch, factor, *masking) -> (grads, (loss * factor, (loss, aux,
-    buffers)))``: the micro-batch's loss and its gradient w.r.t. ``params``."""
+    buffers)))``: the micro-batch's loss and its gradient w.r.t. ``params``
+    (:func:`functrain.step.grad.loss_and_grad`: plain autograd on the eager tier)."""
 
     def loss_of(params: dict, buffers: dict, batch: Batch, factor: Any, *masking: Any) -> Any:
         # Buffers are inputs of the differentiated function and cloned, so modules that update them in
@@ -176,7 +177,7 @@ def _loss_and_grad(loss_fn: LossFn, bind: Callable[..., Any], cast: torch.dtype 
         loss = loss.float()
         return loss * factor if factor is not None else loss, (loss.detach(), aux, buffers)
 
-    return grad_and_value(loss_of, argnums=0, has_aux=True)
+    return loss_and_grad(loss_of)
 
 
 def _settle(parts: _TrainParts, state: Any, batch: Batch) -> None:

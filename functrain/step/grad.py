@@ -1,0 +1,95 @@
+"""A loss's value and its gradient w.r.t. the params: ``torch.func.grad_and_value``, or, where nothing
+needs a transform, the same gradient by plain autograd.
+
+``torch.func.grad_and_value`` is what the compiled step traces (one graph: forward, backward and update)
+and what composes with the other transforms (``vmap`` over an ensemble, ``grad`` through training).
+Run eagerly it costs more than ``loss.backward()``: it wraps every input tensor at a new transform level
+and unwraps every output, and its backward always records a graph of itself (``create_graph=True``, for
+the gradients' own gradients). On the cheap tier, with no transform active, no trace under way and no
+param that autograd already follows, :func:`loss_and_grad` takes ``torch.autograd.grad`` on detached
+copies of the params instead: the gradient of the same forward, by the same backward kernels, at plain
+PyTorch's cost (benchmarks/eager_step.py). The first call still runs the transform: the eager step
+refuses what the compiled step and the transforms refuse (``torch.utils.checkpoint``'s saved-tensor
+hooks, an autograd Function without ``setup_context``: :mod:`functrain.remat`), not a model that fails
+once compiled. Both paths are bitwise the same but for a forward whose random draws depend on a kernel
+choice that the transform changes (``nn.MultiheadAttention``'s dropout): its draws are then the eager
+PyTorch loop's from the second call on (tests/test_step_grad.py).
+
+Example:
+    >>> import torch
+    >>> fn = loss_and_grad(lambda p, x: ((p["w"] * x).sum(), {}))
+    >>> grads, (value, aux) = fn({"w": torch.ones(2)}, torch.tensor([1.0, 2.0]))
+    >>> grads["w"], value
+    (tensor([1., 2.]), tensor(3.))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch.func import grad_and_value
+
+from functrain import tree
+
+__all__ = ["loss_and_grad", "plain_autograd_applies"]
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def plain_autograd_applies(params: Mapping[str, Any]) -> bool:
+    """Whether plain autograd gives ``torch.func.grad_and_value``'s gradient of a function of
+    ``params`` here: eagerly (no dynamo trace), outside every ``torch.func`` transform, the params plain
+    tensors (no subclass) that autograd does not follow already (none requires grad: an outer
+    ``backward`` through the step needs ``grad_and_value``'s differentiable gradients)."""
+    if torch.compiler.is_dynamo_compiling() or torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
+    return all(type(p) in _PLAIN and not p.requires_grad for p in params.values())
+
+
+def loss_and_grad(fn: Callable[..., tuple[torch.Tensor, Any]]) -> Callable[..., Any]:
+    """``grad_fn(params, *args) -> (grads, (value, aux))`` of ``fn(params, *args) -> (value, aux)``, as
+    ``torch.func.grad_and_value(fn, argnums=0, has_aux=True)``: ``params`` a flat dict of tensors,
+    ``value`` a 0-d tensor; a param ``value`` does not depend on gets a zero gradient.
+
+    Eagerly, where :func:`plain_autograd_applies`, by ``torch.autograd.grad`` from the second call on (the
+    first runs the transform: its refusals); the value and every tensor of ``aux`` come back detached, as
+    from the transform.
+
+    Example:
+        >>> grads, (value, _) = loss_and_grad(lambda p: ((p["w"] ** 2).sum(), ()))({"w": torch.ones(2)})
+        >>> grads["w"]
+        tensor([2., 2.])
+    """
+    transformed = grad_and_value(fn, argnums=0, has_aux=True)
+    checked = False  # the transform took the function once: the plain path may run it
+
+    def grad_fn(params: dict[str, torch.Tensor], *args: Any) -> Any:
+        nonlocal checked
+        if torch.compiler.is_dynamo_compiling():  # first: a trace never reads (nor guards on) `checked`
+            return transformed(params, *args)
+        if not checked or not plain_autograd_applies(params):
+            out = transformed(params, *args)
+            checked = True
+            return out
+        return _plain_grad_and_value(fn, params, args)
+
+    return grad_fn
+
+
+def _plain_grad_and_value(fn: Callable[..., Any], params: dict[str, torch.Tensor], args: tuple) -> Any:
+    leaves = {name: p.detach().requires_grad_() for name, p in params.items()}
+    with torch.enable_grad():
+        value, aux = fn(leaves, *args)
+    inputs = list(leaves.values())
+    if value.requires_grad:
+        grads = torch.autograd.grad(value, inputs, allow_unused=True)
+    else:  # nothing to differentiate (as the transform: zeros)
+        grads = (None,) * len(inputs)
+    out = {n: torch.zeros_like(p) if g is None else g for (n, p), g in zip(leaves.items(), grads)}
+    return out, (value.detach(), tree.map(_detached, aux))
+
+
+def _detached(x: Any) -> Any:
+    return x.detach() if isinstance(x, torch.Tensor) else x
