@@ -34,3 +34,25 @@ def test_keep_where_works_in_a_struct_state_as_skip_not_finite_uses_it():
     before, after = tree.leaves(state.inner_state), tree.leaves(skipped.inner_state)
     assert len(before) == len(after) > 0 and all(torch.equal(a, b) for a, b in zip(before, after))
     assert int(skipped.notfinite_count) == 1
+
+
+@pytest.mark.parametrize("holds", [True, False])
+def test_keep_where_eagerly_on_the_cpu_returns_the_kept_tensors_without_a_where_per_leaf(holds):
+    # reading a 0-d CPU predicate costs no device sync: no torch.where (a copy) per leaf on the cheap tier
+    new = {"w": torch.randn(3, 2), "opt": (torch.randn(2), 7)}
+    old = {"w": torch.randn(3, 2), "opt": (torch.randn(2), 0)}
+    out = tree.keep_where(torch.tensor(holds), new, old)
+    pick = new if holds else old
+    assert out["w"] is pick["w"] and out["opt"][0] is pick["opt"][0] and out["opt"][1] == 7
+
+
+def test_keep_where_under_a_transform_or_a_compile_stays_a_where():
+    new, old = {"w": torch.ones(2, 3)}, {"w": torch.zeros(2, 3)}
+    preds = torch.tensor([True, False])
+    per_member = torch.vmap(lambda p, n, o: tree.keep_where(p, {"w": n}, {"w": o})["w"])(
+        preds, new["w"], old["w"]
+    )
+    assert per_member.tolist() == [[1.0] * 3, [0.0] * 3]
+    # differentiable as torch.where: the gradient flows to the kept tree only
+    grad = torch.func.grad(lambda n: tree.keep_where(torch.tensor(False), {"w": n}, old)["w"].sum())(new["w"])
+    assert torch.equal(grad, torch.zeros(2, 3))
