@@ -299,3 +299,24 @@ def test_donation_is_an_argument_given_only_to_a_step_that_declares_it(
 
     ft.jit(telling, compile=False, donate=True)(state, classification_batch())
     assert (len(kernel_calls), len(in_place_calls)) == (1, 1)
+
+
+def test_eagerly_the_kernel_runs_without_the_custom_ops_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the op's dispatch (autograd wrapper, dynamo's disable) is for traces and transforms; eagerly the
+    # same function runs directly, with the same result
+    tx = optim.adamw(0.1, weight_decay=0.01)
+    params = {"w": torch.randn(3), "b": torch.randn(2)}
+    grads = {"w": torch.randn(3), "b": torch.randn(2)}
+    expected, _ = optim.apply_gradients(tx, grads, tx.init(params), params)
+
+    def refused(*args: object) -> None:
+        raise AssertionError("the custom op was dispatched eagerly")
+
+    monkeypatch.setattr(fused, "_fused_adam_op", refused)
+    got, _ = optim.apply_gradients(tx, grads, tx.init(params), params)
+    for name in params:
+        assert torch.equal(got[name], expected[name])
+    with pytest.raises(AssertionError, match="dispatched"):  # under vmap the op (its vmap rule) runs
+        torch.vmap(lambda p, g: optim.apply_gradients(tx, {"w": g}, tx.init({"w": p}), {"w": p})[0]["w"])(
+            torch.randn(2, 3), torch.randn(2, 3)
+        )

@@ -135,16 +135,38 @@ def _custom_op(name: str, in_place: bool) -> Any:
     return torch.library.custom_op(name, run, mutates_args=mutates)
 
 
-_fused_adam = _custom_op("functrain::fused_adam", in_place=False)
-_fused_adam_ = _custom_op("functrain::fused_adam_", in_place=True)
+_fused_adam_op = _custom_op("functrain::fused_adam", in_place=False)
+_fused_adam_op_ = _custom_op("functrain::fused_adam_", in_place=True)
 
 
-@_fused_adam.register_fake
+def _fused_adam(*args: Any) -> Any:
+    """:func:`_adam_step` into new tensors: the custom op where a compile traces it (one opaque call)
+    or a transform needs its rules (vmap); eagerly the function itself, as the op's dispatch (its
+    autograd wrapper, dynamo's ``disable``) cost a BatchNorm CNN's eager step ~4%
+    (benchmarks/eager_step.py). The leaves need no gradient (:func:`_kernel_applies`)."""
+    if _dispatched():
+        return _fused_adam_op(*args)
+    return tuple(_adam_step(*args, False))
+
+
+def _fused_adam_(*args: Any) -> None:
+    """:func:`_adam_step` written into the given params and moments (as :func:`_fused_adam`)."""
+    if _dispatched():
+        _fused_adam_op_(*args)
+    else:
+        _adam_step(*args, True)
+
+
+def _dispatched() -> bool:
+    return torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None
+
+
+@_fused_adam_op.register_fake
 def _(params, grads, mu, nu, nu_max, count, learning_rate, weight_decay, decayed, b1, b2, eps):  # type: ignore[no-untyped-def]
     return tuple([torch.empty_like(x) for x in xs] for xs in (params, mu, nu, nu_max))
 
 
-@_fused_adam.register_vmap
+@_fused_adam_op.register_vmap
 def _(info, in_dims, params, grads, mu, nu, nu_max, count, learning_rate, weight_decay, decayed, b1, b2, eps):  # type: ignore[no-untyped-def]
     """Under vmap (``functrain.ensemble``): the kernel once per member, on that member's slices, so a
     member's arithmetic is exactly that of the same model trained alone."""
