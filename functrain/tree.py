@@ -172,8 +172,9 @@ def keep_where(pred: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
     finite (fp16 overflow, ``skip_nonfinite``, ``optim.skip_not_finite``) with no branch, so no host sync.
 
     Eagerly, with ``pred`` one element in CPU memory and no ``torch.func`` transform active, reading it
-    costs no device sync: the kept tensors are then returned as they are, without a ``torch.where`` per
-    leaf (a tiny BERT's skipping step made ~130 of them, ~7% of its eager step; benchmarks/eager_step.py).
+    costs no device sync: the kept tensors are then returned as they are (``new`` itself where ``pred``
+    holds), without a ``torch.where`` per leaf (a tiny BERT's skipping step made ~130 of them, ~7% of its
+    eager step; benchmarks/eager_step.py).
 
     Example:
         >>> keep_where(torch.tensor(False), {"w": torch.ones(2), "n": 3}, {"w": torch.zeros(2), "n": 0})
@@ -181,7 +182,7 @@ def keep_where(pred: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
     """
     if _readable_on_host(pred):
         if bool(pred):
-            return map(lambda new_leaf, old_leaf: new_leaf, new, old)
+            return new
         return map(
             lambda new_leaf, old_leaf: old_leaf if isinstance(new_leaf, torch.Tensor) else new_leaf, new, old
         )

@@ -44,6 +44,7 @@ def test_keep_where_eagerly_on_the_cpu_returns_the_kept_tensors_without_a_where_
     out = tree.keep_where(torch.tensor(holds), new, old)
     pick = new if holds else old
     assert out["w"] is pick["w"] and out["opt"][0] is pick["opt"][0] and out["opt"][1] == 7
+    assert (out is new) == holds
 
 
 def test_keep_where_under_a_transform_or_a_compile_stays_a_where():
