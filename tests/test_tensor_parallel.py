@@ -31,6 +31,7 @@ def _equal_to_one_process(out: dict) -> None:
     assert out["loss"] <= F32 and out["grad_norm"] <= F32, out
     assert out["split"] == 20, out  # q, k, v, fc (weight, bias), attn.proj, mlp.proj (weight) of 2 blocks
     assert out["moments_dtensor"] and out["metrics_plain"], out
+    assert out["clipped"] == (out["clip"] < 1), out  # clipping active: the norm over the split leaves counts
 
 
 def test_tp2_equals_one_process_on_the_same_batches(eager: list[dict]) -> None:
@@ -44,6 +45,8 @@ def test_a_plan_that_cannot_be_applied_is_refused_naming_the_module(eager: list[
     assert "'blocks.*.attn.query' matches no submodule" in refused["no_match"], refused
     assert "'columnwise'" in refused["bad_style"], refused
     assert "'head.weight' has 13 along dim 0" in refused["indivisible"], refused
+    assert "fp16 loss scaling is not supported" in refused["fp16"], refused
+    assert "ZeRO (fully_shard) over the dp axis of a tp mesh is not supported" in refused["zero"], refused
 
 
 def test_tp2_by_dp2_equals_one_process_on_the_global_batch(tmp_path: str) -> None:

@@ -207,7 +207,10 @@ class TensorParallel(Replicated):
         if getattr(state, "layout", None) is not None:
             raise ValueError(
                 f"TensorParallel.place: the state already has a layout ({type(state.layout).__name__}); "
-                "place a state made by TrainState.create(model, tx) without sharding=, or tp.gather(state)"
+                "place a state made by TrainState.create(model, tx) without sharding=, or tp.gather(state). "
+                "ZeRO (fully_shard) over the dp axis of a tp mesh is not supported yet: its row shards and "
+                "its collectives are on plain tensors, and ZeRO-3's blocks gather inside the gradient with "
+                "an autograd.Function of plain tensors, neither of which knows a DTensor's parts"
             )
         shapes = {n: tuple(p.shape) for n, p in state.params.items()}
         missing = sorted(set(self.placements) - set(shapes))[:8]
@@ -280,6 +283,12 @@ class TensorParallel(Replicated):
     ) -> Reduced:
         """Gradients placed as their params (a partial sum is all-reduced over the mesh); the loss and
         metrics, replicated DTensors, as this rank's plain tensors."""
+        if state.loss_scale is not None:
+            raise ValueError(
+                "tensor parallelism: fp16 loss scaling is not supported (its overflow check would see this "
+                "rank's parts of the gradients only, and the ranks could disagree on skipping a step); use "
+                "precision='bf16'"
+            )
         grads = {k: self._as_param(k, g) for k, g in grads.items()}
         loss, metrics = _local(loss), {k: _local(v) for k, v in metrics.items()}
         if self.dp is None:
