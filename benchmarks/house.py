@@ -87,7 +87,11 @@ MEASURES = ("eager-mlp", "eager-cnn", "jit-mlp", "fit-eager", "fit-jit", "cold",
 def run(tree: Path, what: str, cache: str) -> float:
     env = {**os.environ, "PYTHONPATH": str(tree), "TORCHINDUCTOR_CACHE_DIR": cache, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, what], env=env, capture_output=True, text=True, cwd=tempfile.gettempdir()
+        [sys.executable, "-c", CHILD, what],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=tempfile.gettempdir(),
     )
     if out.returncode:
         raise RuntimeError(f"{what} on {tree}: {out.stderr[-2000:]}")
@@ -95,7 +99,9 @@ def run(tree: Path, what: str, cache: str) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--before", type=Path, required=True)
     parser.add_argument("--after", type=Path, required=True)
     parser.add_argument("--rounds", type=int, default=3)
@@ -106,7 +112,7 @@ def main() -> None:
     for r in range(args.rounds):
         caches = {side: tempfile.mkdtemp(prefix=f"house-{side}-") for side in trees}  # cold, then warm
         for what in args.measures:
-            for side in (("before", "after") if r % 2 == 0 else ("after", "before")):
+            for side in ("before", "after") if r % 2 == 0 else ("after", "before"):
                 shared = caches[side] if what in ("cold", "warm") else tempfile.mkdtemp(prefix="house-")
                 results[what][side].append(run(trees[side], what, shared))
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
