@@ -46,7 +46,7 @@ What each piece guarantees:
   :mod:`functrain.distributed.tensor_parallel`), loaded on first use (DTensor's imports take seconds).
 """
 
-from functrain import _lazy
+from functrain.core import lazy as _lazy
 from functrain.distributed.env import (
     DistributedEnv,
     DistributedSetupError,

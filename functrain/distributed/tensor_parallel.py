@@ -43,12 +43,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 
-from functrain import _foreach as foreach
+from functrain.core import foreach
+from functrain.core.tree_walk import rebuild
 from functrain.distributed.gradients import GradientReducer
 from functrain.distributed.sharding import _collective
 from functrain.distributed.strategy import Examples, Reduced, Replicated
 from functrain.distributed.tp_forward import mark_placed
-from functrain.tree_walk import rebuild
 
 __all__ = [
     "GPT2_PLAN",
