@@ -83,3 +83,16 @@ def test_a_gathered_checkpoint_resumes_bitwise_on_tp2_and_on_one_process(eager: 
         state, _ = step(state, batch)
     final = eager[0]["resume"]["final"]
     assert max((state.params[k] - final[k]).abs().max().item() for k in final) <= TOL
+
+
+def test_the_hugging_face_plans_split_gpt2_and_llama_and_dropout_is_refused(eager: list[dict]) -> None:
+    pytest.importorskip("transformers")
+    hf = eager[0]["hf"]
+    assert hf["gpt2/split"] == 12 and hf["llama/split"] == 14, (
+        hf
+    )  # c_attn, c_fc (w, b), c_proj (w); q/k/v/o...
+    assert hf["gpt2"] <= TOL, hf
+    # Llama's RMSNorm computes in float32 whatever the params' dtype: its rounding of inputs that differ by
+    # 1e-16 (the split sums) leaves 2e-9 after 3 SGD steps; a wrong split would be 1e-1
+    assert hf["llama"] <= 1e-7, hf
+    assert "the model has dropout" in hf["dropout"] and "attn_dropout (p=0.1)" in hf["dropout"], hf

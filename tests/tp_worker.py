@@ -3,7 +3,8 @@
     python -m torch.distributed.run --nproc_per_node=N tests/tp_worker.py MODE OUT_DIR
 
 Modes: ``eager`` (tp over every rank, 8 AdamW steps with clipping, eager, against one process on the
-same batches; the plan's refusals; a gathered state saved after 4 steps and resumed), ``compile`` (the same step compiled, then compiled again in the same
+same batches; the plan's refusals; a gathered state saved after 4 steps and resumed; the Hugging Face
+GPT-2 and Llama plans), ``compile`` (the same step compiled, then compiled again in the same
 process after ``torch._dynamo.reset()``), ``grid`` (4 ranks: a 2-D mesh, dp 2 x tp 2). Each rank writes ``OUT_DIR/<mode>_rank<r>.pt`` (a test
 artefact read back by the test, not a checkpoint).
 """
@@ -215,6 +216,52 @@ def refusals(mesh: Any) -> dict[str, str]:
     return out
 
 
+def hugging_face(mesh: Any) -> dict[str, Any] | None:
+    """GPT2_PLAN and LLAMA_PLAN on tiny Hugging Face models (float64, dropout 0), 3 steps against one
+    process; the default GPT-2 config (dropout 0.1) refused."""
+    try:
+        import transformers as tr
+    except ImportError:
+        return None
+
+    def lm(call: Any, batch: torch.Tensor) -> torch.Tensor:
+        return call(input_ids=batch, labels=batch, use_cache=False).loss
+
+    small = {"vocab_size": 50, "num_hidden_layers": 2, "num_attention_heads": 2}
+    gpt2 = tr.GPT2Config(
+        **small, n_positions=16, n_embd=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        attn_implementation="eager",
+    )  # fmt: skip
+    llama = tr.LlamaConfig(
+        **small, hidden_size=16, intermediate_size=32, num_key_value_heads=2, max_position_embeddings=16,
+        attn_implementation="eager",
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 50, (4, 8), generator=g) for _ in range(3)]
+    out: dict[str, Any] = {}
+    cases = {
+        "gpt2": (tr.GPT2LMHeadModel, gpt2, distributed.GPT2_PLAN, ft.optim.adamw(1e-2)),
+        "llama": (tr.LlamaForCausalLM, llama, distributed.LLAMA_PLAN, ft.optim.sgd(0.1)),
+    }
+    for name, (cls, config, plan, tx) in cases.items():
+        torch.manual_seed(0)
+        net = cls(config).double()
+        tp = distributed.tensor_parallel(net, plan, mesh)
+        state, ref = tp.place(ft.TrainState.create(net, tx)), ft.TrainState.create(net, tx)
+        step, ref_step = ft.make_train_step(net, lm, strategy=tp), ft.make_train_step(net, lm)
+        for batch in data:
+            state, _ = step(state, batch)
+            ref, _ = ref_step(ref, batch)
+        out[name] = max_diff(tp.gather(state).params, ref.params)
+        out[f"{name}/split"] = sum(p.to_local().shape != p.shape for p in state.params.values())
+    try:
+        distributed.tensor_parallel(tr.GPT2LMHeadModel(tr.GPT2Config(**small)), distributed.GPT2_PLAN, mesh)
+        out["dropout"] = "accepted"
+    except ValueError as e:
+        out["dropout"] = str(e)
+    return out
+
+
 def main() -> None:
     mode, out_dir = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
@@ -227,6 +274,7 @@ def main() -> None:
         out["eager"] = run_tp(mesh, compile=False)
         out["refusals"] = refusals(mesh)
         out["resume"] = resume(mesh, out_dir)
+        out["hf"] = hugging_face(mesh)
     elif mode == "compile":
         # clip 1e3: a factor of exactly 1. Clipping's factor is float32 (tree.global_norm): compiled, the
         # split leaves' norms round one float32 ulp away from one process's, which AdamW makes 2e-9

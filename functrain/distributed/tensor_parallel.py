@@ -372,7 +372,10 @@ def tensor_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None
 
     Refuses a plan entry that matches no submodule, a style other than ``"colwise"``, ``"rowwise"``,
     ``"replicate"``, a split of a layer that is not an ``nn.Linear``, ``nn.Embedding`` or Hugging Face
-    ``Conv1D`` (naming its path), and a split dim the mesh size does not divide.
+    ``Conv1D`` (naming its path), a split dim the mesh size does not divide, and a model with dropout
+    (``nn.Dropout`` modules of ``p > 0``, or a Hugging Face ``config.attention_dropout > 0``: the ranks
+    would draw different masks for the activations they share). A ``F.dropout`` call of the model's own
+    is not seen: do not make one.
 
     Example:
         >>> tp = tensor_parallel(model, {"blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"})  # doctest: +SKIP
@@ -381,6 +384,7 @@ def tensor_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"tensor_parallel: model must be an nn.Module, got {type(model).__name__}")
+    _refuse_dropout(model)
     if mesh is None:
         if not dist.is_initialized():
             raise ValueError(
@@ -403,3 +407,26 @@ def tensor_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None
             f"named {names}"
         )
     return TensorParallel(model, plan, mesh["tp"], dp_group=mesh["dp"].get_group())
+
+
+def _refuse_dropout(model: nn.Module) -> None:
+    """Dropout would make the ranks' copies of the replicated weights drift apart in silence: DTensor
+    draws a replicated activation's mask from each rank's own generator (its RNG tracker, which keeps
+    ranks in step, runs on CUDA-like devices only, and ``functrain.jit`` seeds every rank differently),
+    so each rank computes another gradient for a weight all ranks believe they share."""
+    found = [
+        f"{name or type(model).__name__} (p={m.p})"
+        for name, m in model.named_modules()
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
+    ]
+    # Hugging Face's attention functions read this float and call F.dropout (no module to find)
+    attention = getattr(getattr(model, "config", None), "attention_dropout", None)
+    if isinstance(attention, float) and attention > 0:
+        found.append(f"config.attention_dropout={attention}")
+    if found:
+        raise ValueError(
+            f"tensor_parallel: the model has dropout ({', '.join(found[:6])}): each rank would draw its own "
+            "masks for activations the ranks share, and their copies of the replicated weights would drift "
+            "apart; set every dropout probability to 0 (nn.Dropout(p=0.0), or the Hugging Face "
+            "config's dropout fields)"
+        )
