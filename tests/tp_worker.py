@@ -99,8 +99,8 @@ def adamw(clip: float = 0.4) -> ft.optim.GradientTransformation:
     return ft.optim.chain(ft.optim.clip_by_global_norm(clip), ft.optim.adamw(1e-2, weight_decay=0.1))
 
 
-def model() -> GPT:
-    torch.manual_seed(0)
+def model(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
     return GPT().double()
 
 
@@ -124,8 +124,9 @@ def max_diff(a: Any, b: Any) -> float:
 
 def run_tp(mesh: Any, compile: bool, clip: float = 0.4) -> dict[str, Any]:
     """8 steps on ``mesh`` (1-D: tp; 2-D: dp x tp, each dp rank its part of a global batch of 4 * dp rows)
-    against one process on the global batches."""
-    net = model()
+    against one process on the global batches. Each rank starts from another model: ``place`` gives all
+    of them rank 0's."""
+    net = model(seed=dist.get_rank())
     tp = distributed.tensor_parallel(net, distributed.GPT_PLAN, mesh)
     state = tp.place(ft.TrainState.create(net, adamw(clip)))
     step = ft.make_train_step(net, lm_loss, strategy=tp)

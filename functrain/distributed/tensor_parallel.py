@@ -203,7 +203,8 @@ class TensorParallel(Replicated):
     def place(self, state: Any) -> Any:
         """``state`` (whole params, as ``TrainState.create`` or a restored checkpoint gives it) with every
         param and every optimizer moment of a param's shape as a DTensor of this plan: each rank keeps its
-        part (rank 0's values: the same on every rank, as :func:`functrain.distributed.replicate` makes)."""
+        part (global rank 0's values on every rank, as :func:`functrain.distributed.replicate` makes: over
+        the tp mesh, and over the dp replicas of a 2-D mesh). Collective."""
         if getattr(state, "layout", None) is not None:
             raise ValueError(
                 f"TensorParallel.place: the state already has a layout ({type(state.layout).__name__}); "
@@ -223,8 +224,12 @@ class TensorParallel(Replicated):
                 return x
             if isinstance(x, DTensor):
                 raise ValueError(f"TensorParallel.place: {'.'.join(map(str, path))} is already a DTensor")
-            # src_data_rank=0: rank 0's values everywhere (a broadcast then a local cut)
-            return distribute_tensor(x.detach(), self.mesh, self.placements[name], src_data_rank=0)
+            x = x.detach()
+            if self.dp is not None:  # the first tp group's values in every dp replica
+                x = x.contiguous().clone()
+                dist.broadcast(x, src=dist.get_global_rank(self.dp.group, 0), group=self.dp.group)
+            # src_data_rank=0: the tp group's rank 0's values on all its ranks (a broadcast, then a local cut)
+            return distribute_tensor(x, self.mesh, self.placements[name], src_data_rank=0)
 
         mark_placed(self.model)  # its compiled step is traced with implicit replication (functrain.jit)
         return rebuild(state, leaf).replace(layout=self)
@@ -367,8 +372,7 @@ def tensor_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None
     (a 1-D ``DeviceMesh``; default: every rank of the ``torchrun`` world). A 2-D mesh with dims named
     ``("dp", "tp")`` adds data parallelism over ``dp``: each tp group takes its own batch (the same on
     its tp ranks), and gradients, loss and metrics are averaged over ``dp`` weighted by examples, in the
-    gradients' own dtype. The model must start the same on every rank (the same seed, or
-    :func:`functrain.distributed.replicate`); ``place`` copies each tp group's rank 0.
+    gradients' own dtype; ``place`` gives every replica the first tp group's values.
 
     Refuses a plan entry that matches no submodule, a style other than ``"colwise"``, ``"rowwise"``,
     ``"replicate"``, a split of a layer that is not an ``nn.Linear``, ``nn.Embedding`` or Hugging Face
