@@ -1,9 +1,10 @@
-"""Tensor parallelism (DTensor params by a plan) on 2 CPU processes (gloo) against one process on the same batches.
+"""Tensor parallelism (DTensor params by a plan) on 2 and 4 CPU processes (gloo) against one process.
 
 One torchrun launch per mode of ``tp_worker.py`` (each rank computes the one-process reference itself):
 ``eager`` (8 AdamW steps with clipping on a GPT-style model, heads split; the plan's refusals; the
-checkpoint of a gathered state, resumed), ``grid`` (4 ranks, dp 2 x tp 2), and ``compile`` (marked ``compile``: the step compiled once per
-rank, then another optimizer and the first again after ``torch._dynamo.reset()`` in the same process).
+checkpoint of a gathered state, resumed; the Hugging Face plans), ``grid`` (4 ranks, dp 2 x tp 2), and,
+marked ``compile``, ``compile`` (the step compiled once per rank, then another optimizer and the first
+again after ``torch._dynamo.reset()`` in the same process) and ``grid_compile``.
 """
 
 from __future__ import annotations
@@ -66,6 +67,13 @@ def test_compiled_tp2_equals_one_process_and_compiles_once_each_time(tmp_path: s
         _equal_to_one_process(out["recompiled"])
         for run in ("compiled", "variant", "recompiled"):
             assert out[run]["num_compiles"] == 1, (run, out[run])
+
+
+@pytest.mark.compile
+def test_compiled_tp2_by_dp2_equals_one_process_and_compiles_once(tmp_path: str) -> None:
+    for out in _torchrun("grid_compile", str(tmp_path), 4, script="tp_worker.py"):
+        _equal_to_one_process(out["grid"])
+        assert out["grid"]["num_compiles"] == 1, out["grid"]
 
 
 def test_a_gathered_checkpoint_resumes_bitwise_on_tp2_and_on_one_process(eager: list[dict]) -> None:

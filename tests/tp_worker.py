@@ -4,9 +4,10 @@
 
 Modes: ``eager`` (tp over every rank, 8 AdamW steps with clipping, eager, against one process on the
 same batches; the plan's refusals; a gathered state saved after 4 steps and resumed; the Hugging Face
-GPT-2 and Llama plans), ``compile`` (the same step compiled, then compiled again in the same
-process after ``torch._dynamo.reset()``), ``grid`` (4 ranks: a 2-D mesh, dp 2 x tp 2). Each rank writes ``OUT_DIR/<mode>_rank<r>.pt`` (a test
-artefact read back by the test, not a checkpoint).
+GPT-2 and Llama plans), ``compile`` (the same step compiled, then another optimizer and the first again
+after ``torch._dynamo.reset()`` in the same process), ``grid`` (4 ranks: a 2-D mesh, dp 2 x tp 2) and
+``grid_compile`` (the same, compiled). Each rank writes ``OUT_DIR/<mode>_rank<r>.pt`` (a test artefact
+read back by the test, not a checkpoint).
 """
 
 from __future__ import annotations
@@ -268,7 +269,11 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp")) if mode == "grid" else None
+    mesh = (
+        init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+        if mode.startswith("grid")
+        else None
+    )
     mesh = mesh or init_device_mesh("cpu", (world,))
     out: dict[str, Any] = {"world_size": world}
     if mode == "eager":
@@ -286,6 +291,8 @@ def main() -> None:
         out["recompiled"] = run_tp(mesh, compile=True, clip=1e3)
     elif mode == "grid":  # 4 ranks: dp 2 x tp 2
         out["grid"] = run_tp(mesh, compile=False)
+    elif mode == "grid_compile":
+        out["grid"] = run_tp(mesh, compile=True, clip=1e3)  # clip 1e3: see "compile"
     else:
         raise SystemExit(f"unknown mode {mode}")
     torch.save(out, os.path.join(out_dir, f"{mode}_rank{rank}.pt"))
