@@ -26,7 +26,7 @@ import contextlib
 import functools
 import itertools
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -237,9 +237,22 @@ class _Holder(nn.Module):
 class Remat:
     """A function (or module) whose activations are recomputed in the backward pass; see :func:`remat`."""
 
-    def __init__(self, fn: Callable[..., Any], *, preserve_rng_state: bool = True) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        preserve_rng_state: bool = True,
+        modules: Iterable[nn.Module] = (),
+    ) -> None:
         if not callable(fn):
             raise TypeError(f"remat needs a module or a function, got {type(fn).__name__}")
+        modules = list(modules)
+        for i, m in enumerate(modules):
+            if not isinstance(m, nn.Module):
+                raise TypeError(
+                    f"remat({fn!r}, modules=...): modules[{i}] is a {type(m).__name__}, not an nn.Module; "
+                    "pass the modules whose parameters and buffers the function reads"
+                )
         self.fn = fn
         self.preserve_rng_state = preserve_rng_state
         # A partial's bound arguments become inputs (Hugging Face binds a layer's keyword arguments,
@@ -252,7 +265,7 @@ class Remat:
                 (*p.args, *self._args),
                 {**p.keywords, **self._kwargs},
             )
-        self._holder = _Holder(_modules_of(fn))
+        self._holder = _Holder([*modules, *_modules_of(fn)])
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -340,7 +353,7 @@ def _apply(
     return torch_pytree.tree_unflatten(list(out), out_spec[0])
 
 
-def remat(fn: Any, *, preserve_rng_state: bool = True) -> Any:
+def remat(fn: Any, *, preserve_rng_state: bool = True, modules: Iterable[nn.Module] = ()) -> Any:
     """Recompute a module's (or function's) activations in the backward pass instead of keeping them.
 
     Only the block's inputs are kept for the backward pass, which runs the block again: less memory
@@ -357,6 +370,12 @@ def remat(fn: Any, *, preserve_rng_state: bool = True) -> Any:
     Inside a step (``torch.func.functional_call``) those modules' tensors are the state's. The block's
     outputs must be tensors (or tuples/lists/dicts of them).
 
+    Which tensors the block is differentiated with respect to: its tensor arguments and the parameters
+    and buffers of the modules it reads. Those are found from ``fn`` (the module itself, a bound
+    method's owner, a partial's function and arguments, modules and functions in a closure); a module
+    reached any other way (an element of a list, an attribute of an object, a callable object's) is not
+    found, and its tensors would get no gradient: name it in ``modules``, which adds to the ones found.
+
     Randomness: eagerly, the generator state is saved and replayed (``preserve_rng_state``), so dropout
     draws the same masks in the recomputation. Under ``torch.compile`` that replay cannot reach the
     graph, so a block that draws random numbers in a compiled step raises :class:`RematRandomnessError`
@@ -367,12 +386,16 @@ def remat(fn: Any, *, preserve_rng_state: bool = True) -> Any:
         >>> blocks = torch.nn.ModuleList(remat(torch.nn.Linear(8, 8)) for _ in range(4))
         >>> blocks[0](torch.randn(2, 8)).shape
         torch.Size([2, 8])
+        >>> layers = [torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)]  # a list: not searched
+        >>> stack = remat(lambda x: layers[1](layers[0](x).tanh()), modules=layers)
+        >>> stack(torch.randn(2, 8)).shape
+        torch.Size([2, 8])
     """
     if isinstance(fn, nn.Module):
         if not isinstance(fn.__dict__.get("forward"), Remat):
-            fn.forward = Remat(fn.forward, preserve_rng_state=preserve_rng_state)
+            fn.forward = Remat(fn.forward, preserve_rng_state=preserve_rng_state, modules=modules)
         return fn
-    return Remat(fn, preserve_rng_state=preserve_rng_state)
+    return Remat(fn, preserve_rng_state=preserve_rng_state, modules=modules)
 
 
 def checkpoint(

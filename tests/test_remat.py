@@ -285,6 +285,33 @@ def test_function_closing_over_classes_and_modules() -> None:
         assert torch.equal(got[name], expected[name]), name
 
 
+def test_modules_reached_another_way_are_named_in_modules() -> None:
+    # A module read through a list is not found from the function: without modules= its params would
+    # get no gradient; named in modules=, their gradients are those without remat.
+    torch.manual_seed(0)
+    outer = nn.ModuleDict({"a": nn.Linear(8, 8), "b": nn.Linear(8, 8)}).double()
+    layers = [outer["a"], outer["b"]]
+
+    def stack(x: torch.Tensor) -> torch.Tensor:
+        return layers[1](layers[0](x).tanh())
+
+    x = torch.randn(2, 8, dtype=torch.float64)
+    params = {k: v.detach() for k, v in outer.named_parameters()}
+
+    def loss(p: dict, fn: object) -> torch.Tensor:
+        with torch.nn.utils.stateless._reparametrize_module(outer, p):
+            return fn(x).sum()  # type: ignore[operator]
+
+    expected = torch.func.grad(loss)(params, stack)
+    for rematerialised in (ft.remat(stack, modules=layers), ft.remat(stack, modules=[outer])):
+        got = torch.func.grad(loss)(params, rematerialised)
+        assert expected.keys() == got.keys()
+        for name in expected:
+            assert torch.equal(got[name], expected[name]), name
+    with pytest.raises(TypeError, match=r"modules\[1\] is a list, not an nn.Module"):
+        ft.remat(stack, modules=[outer, layers])
+
+
 class _TwoPaths(nn.Module):
     """A rematerialised function that reads one block by two paths (the block, and its parent)."""
 
