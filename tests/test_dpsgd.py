@@ -31,6 +31,12 @@ def _loss() -> ft.step.LossFn:
     return ft.supervised_loss(F.cross_entropy)
 
 
+def _train(step: ft.step.Step, state: ft.TrainState, batches: list) -> ft.TrainState:
+    for b in batches:
+        state, _ = step(state, b)
+    return state
+
+
 def _reference_dpsgd(model: torch.nn.Module, batches: list, momentum: float | None = None) -> dict:
     """DP-SGD at noise 0 from the paper's definition (Abadi et al. 2016, Opacus without its 1e-6): each
     example's gradient by torch.autograd in a Python loop, clipped to CLIP, summed, over the batch size."""
@@ -58,10 +64,10 @@ def _reference_dpsgd(model: torch.nn.Module, batches: list, momentum: float | No
 def test_dpsgd_at_noise_zero_equals_a_per_example_autograd_loop(per_example: bool | int, momentum) -> None:
     model = _model()
     batches = [_batch(6, seed) for seed in range(3)]
-    state = ft.TrainState.create(model, ft.optim.dpsgd(LR, CLIP, 0.0, seed=0, momentum=momentum))
-    step = ft.make_train_step(model, _loss(), per_example=per_example)
-    for b in batches:
-        state, _ = step(state, b)
+    tx = ft.optim.dpsgd(LR, CLIP, 0.0, seed=0, momentum=momentum)
+    state = _train(
+        ft.make_train_step(model, _loss(), per_example=per_example), ft.TrainState.create(model, tx), batches
+    )
     ref = _reference_dpsgd(model, batches, momentum)
     err = max(float((state.params[k] - ref[k]).abs().max()) for k in ref)
     assert err <= 1e-12
@@ -121,16 +127,13 @@ def test_a_resumed_dp_run_draws_the_same_noise_bitwise(tmp_path: Path) -> None:
     batches = [_batch(6, s) for s in range(4)]
     step = ft.make_train_step(model, _loss(), per_example=True)
     tx = ft.optim.dpsgd(LR, CLIP, 1.1, seed=7, momentum=0.9)
-    whole = ft.TrainState.create(model, tx)
-    for b in batches:
-        whole, _ = step(whole, b)
-    part = ft.TrainState.create(model, tx)
-    for b in batches[:2]:
-        part, _ = step(part, b)
-    checkpoint.save(tmp_path / "s.ckpt", part, fsync=False)
-    part = checkpoint.restore(tmp_path / "s.ckpt", target=ft.TrainState.create(model, tx))
-    for b in batches[2:]:
-        part, _ = step(part, b)
+    whole = _train(step, ft.TrainState.create(model, tx), batches)
+    checkpoint.save(
+        tmp_path / "s.ckpt", _train(step, ft.TrainState.create(model, tx), batches[:2]), fsync=False
+    )
+    part = _train(
+        step, checkpoint.restore(tmp_path / "s.ckpt", target=ft.TrainState.create(model, tx)), batches[2:]
+    )
     assert all(torch.equal(whole.params[k], part.params[k]) for k in whole.params)
 
 

@@ -41,24 +41,16 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 15)
 
 
-def _stream(words: torch.Tensor, counter: torch.Tensor, lane: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two 32-bit seeds of one stream, from the key's two words, the counter (int64) and a lane."""
+def _seeds(words: torch.Tensor, counter: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two 32-bit seeds of each of the two lanes (``(2, 1)`` each), from the key's two words and the
+    counter (int64): one lane per uniform of Box-Muller's pair, both hashed at once."""
     counter = counter.to(torch.int64)
     s = _mix(words[0] & _MASK)
     s = _mix(s ^ (words[1] & _MASK))
     s = _mix(s ^ (counter & _MASK))
     s = _mix(s ^ ((counter >> 32) & _MASK))
-    s = _mix(s ^ (0x9E3779B9 + lane))
-    return s, _mix(s ^ 0x85EBCA6B)
-
-
-def _uniform(
-    words: torch.Tensor, counter: torch.Tensor, lane: int, index: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
-    """Uniform draws in ``(0, 1)``, one per ``index``."""
-    a, b = _stream(words, counter, lane)
-    bits = _mix(_mix(index ^ a) ^ b)
-    return (bits.to(dtype) + 0.5) * (1.0 / MAX_DRAWS)
+    a = _mix(s ^ (torch.arange(2, dtype=torch.int64, device=words.device) + 0x9E3779B9))
+    return a[:, None], _mix(a ^ 0x85EBCA6B)[:, None]
 
 
 def normal(words: torch.Tensor, counter: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -77,9 +69,10 @@ def normal(words: torch.Tensor, counter: torch.Tensor, n: int, dtype: torch.dtyp
         raise ValueError(f"normal: at most {MAX_DRAWS} draws per call, asked for {n}")
     device = words.device
     pairs = (n + 1) // 2  # Box-Muller gives two draws per pair of uniforms: the cosine and the sine
-    index = torch.arange(pairs, dtype=torch.int64, device=device)
+    a, b = _seeds(words, counter)
+    bits = _mix(_mix(torch.arange(pairs, dtype=torch.int64, device=device) ^ a) ^ b)  # (2, pairs)
     work = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
-    u1, u2 = _uniform(words, counter, 0, index, work), _uniform(words, counter, 1, index, work)
+    u1, u2 = (bits.to(work) + 0.5) * (1.0 / MAX_DRAWS)
     radius, angle = torch.sqrt(-2.0 * torch.log(u1)), (2.0 * math.pi) * u2
     z = torch.cat([radius * torch.cos(angle), radius * torch.sin(angle)])
     return z[:n].to(dtype)

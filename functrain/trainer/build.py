@@ -210,14 +210,12 @@ def dp_noise_multiplier(config: TrainerConfig, dataset: Any, steps: int) -> floa
         return None
     if config.dp_noise_multiplier is not None:
         return config.dp_noise_multiplier
-    try:
-        examples = len(dataset)
-    except TypeError:
-        raise ConfigError.single(
-            "dp_target_epsilon",
-            "needs the training set's length (the sampling rate is batch_size / examples)",
-            "give a map-style dataset, or set dp_noise_multiplier",
-        ) from None
+    examples = _length(
+        dataset,
+        "dp_target_epsilon",
+        "needs the training set's length (the sampling rate is batch_size / examples)",
+        "give a map-style dataset, or set dp_noise_multiplier",
+    )
     try:
         return optim.privacy.noise_multiplier_for_epsilon(
             config.dp_target_epsilon, config.dp_delta, min(1.0, config.batch_size / max(examples, 1)), steps
@@ -285,6 +283,14 @@ def frozen(config: TrainerConfig, model: nn.Module) -> set[str]:
     return names & set(params)
 
 
+def _length(dataset: Any, field: str, problem: str, fix: str) -> int:
+    """``len(dataset)``, or a ConfigError on ``field`` for a dataset without one (a stream)."""
+    try:
+        return len(dataset)
+    except TypeError:
+        raise ConfigError.single(field, problem, fix) from None
+
+
 def total_steps(config: TrainerConfig, dataset: Any) -> int:
     """The run's optimizer steps: ``max_steps``, or ``epochs`` over ``dataset`` (which must have a length).
 
@@ -294,14 +300,12 @@ def total_steps(config: TrainerConfig, dataset: Any) -> int:
     """
     if config.max_steps is not None:
         return config.max_steps
-    try:
-        n = len(dataset)
-    except TypeError:
-        raise ConfigError.single(
-            "epochs",
-            "the train dataset has no length, so epochs cannot be counted",
-            "set max_steps instead",
-        ) from None
+    n = _length(
+        dataset,
+        "epochs",
+        "the train dataset has no length, so epochs cannot be counted",
+        "set max_steps instead",
+    )
     per_epoch = data.num_batches(
         n,
         config.batch_size * config.gradient_accumulation_steps,
