@@ -200,3 +200,15 @@ def test_the_compiled_dp_step_is_one_graph_and_matches_eager() -> None:
     assert compiled.num_compiles == 1, compiled.compile_reasons
     for k in eager_state.params:  # the same noise: integer hashing is exact, log/cos to the last bits
         torch.testing.assert_close(compiled_state.params[k], eager_state.params[k], rtol=1e-12, atol=1e-13)
+
+
+def test_an_ensemble_of_dp_steps_trains_each_member_as_alone() -> None:
+    model = _model()
+    tx = ft.optim.dpsgd(LR, CLIP, 0.0, seed=0)
+    step = ft.make_train_step(model, _loss(), per_example=True)
+    stacked, _ = ft.ensemble.step(step)(
+        ft.ensemble.create(model, tx, seeds=[0, 1], share_init=True), _batch()
+    )
+    alone, _ = step(ft.TrainState.create(model, tx), _batch())
+    for k in alone.params:  # vmap over the members of vmap over the examples
+        torch.testing.assert_close(stacked.params[k][1], alone.params[k], rtol=1e-12, atol=1e-14)

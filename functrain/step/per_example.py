@@ -16,6 +16,8 @@ gradient stage changes. What cannot be right with it is refused when the step is
 - data parallelism and ZeRO (per-example gradients are not reduced over processes; the aggregate would
   need the global batch), and a padded batch (its padded rows would count in the batch size).
 
+An ensemble (``ft.ensemble.step``) composes with it: vmap over the members of vmap over the examples.
+
 Example:
     >>> import torch, functrain as ft
     >>> model = torch.nn.Linear(3, 2)
