@@ -114,26 +114,10 @@ def make_train_step(
     cast = autocast_dtype(precision)
     bind = model_call(model)
     strategy = strategy or _strategy(model, sharding, gradient_reducer, cast)
-    chunk = per_example_chunk(per_example) if per_example else None
     if per_example:
         check_per_example(
             model, accumulate=accumulate, freeze_batchnorm=freeze_batchnorm, parallel=_parallel(strategy)
         )
-    sam_rho = check_sam_rho(sam_rho)
-    if sam_rho is not None and per_example:
-        raise ValueError(
-            "make_train_step: sam_rho with per_example: SAM perturbs the params by the whole batch's "
-            "gradient, so no example's gradient would be its own (nor private); use one of them"
-        )
-    if sam_rho is not None and isinstance(strategy, ShardedStep):
-        raise ValueError(
-            "make_train_step: sam_rho with sharding= (ZeRO): the perturbation would need the global "
-            "gradient norm of sharded rows; use SAM with data parallelism (gradient_reducer=) or one process"
-        )
-    if per_example:
-        grad_fn = per_example_loss_and_grad(loss_fn, bind, cast, chunk)
-    else:
-        grad_fn = _loss_and_grad(loss_fn, bind, cast)
     parts = _TrainParts(
         loss_fn=loss_fn,
         accumulate=accumulate,
@@ -146,7 +130,7 @@ def make_train_step(
         routing=model,
         bind=bind,
         set_mode=mode_setter(model),
-        grad_fn=grad_fn if sam_rho is None else sam_loss_and_grad(grad_fn, sam_rho),
+        grad_fn=_gradient_stage(loss_fn, bind, cast, strategy, per_example, sam_rho),
         per_example=bool(per_example),
     )
 
@@ -187,6 +171,36 @@ class _TrainParts:
     set_mode: Callable[[bool, bool], None]
     grad_fn: Callable[..., Any]
     per_example: bool  # grads have a leading batch axis (functrain.step.per_example)
+
+
+def _gradient_stage(
+    loss_fn: LossFn,
+    bind: Callable[..., Any],
+    cast: torch.dtype | None,
+    strategy: Replicated,
+    per_example: bool | int,
+    sam_rho: float | None,
+) -> Callable[..., Any]:
+    """The micro-batch's gradient function: the batch's (:func:`_loss_and_grad`) or every example's
+    (:mod:`functrain.step.per_example`), taken at SAM's perturbed params with ``sam_rho``."""
+    sam_rho = check_sam_rho(sam_rho)
+    if per_example:
+        grad_fn = per_example_loss_and_grad(loss_fn, bind, cast, per_example_chunk(per_example))
+    else:
+        grad_fn = _loss_and_grad(loss_fn, bind, cast)
+    if sam_rho is None:
+        return grad_fn
+    if per_example:
+        raise ValueError(
+            "make_train_step: sam_rho with per_example: SAM perturbs the params by the whole batch's "
+            "gradient, so no example's gradient would be its own (nor private); use one of them"
+        )
+    if isinstance(strategy, ShardedStep):
+        raise ValueError(
+            "make_train_step: sam_rho with sharding= (ZeRO): the perturbation would need the global "
+            "gradient norm of sharded rows; use SAM with data parallelism (gradient_reducer=) or one process"
+        )
+    return sam_loss_and_grad(grad_fn, sam_rho)
 
 
 def _has_batchnorm(model: nn.Module | ApplyFn) -> bool:
@@ -365,7 +379,8 @@ def _update(
     params, opt_state = apply_gradients(
         state.tx, grads, state.opt_state, old, norm=strategy.norm, in_place=in_place
     )
-    _check_shapes(params, old)
+    if per_example:
+        _check_shapes(params, old)
     grad_norm = tree.global_norm(
         tree.map(lambda g: g.mean(0), grads) if per_example else grads, strategy.norm
     )
@@ -373,8 +388,8 @@ def _update(
 
 
 def _check_shapes(new: Any, old: Any) -> None:
-    """The update kept every param's shape (a per-example gradient given to an optimizer that does not
-    aggregate it would broadcast the params to ``(B, ...)``)."""
+    """The update kept every param's shape (per-example gradients given to an optimizer that does not
+    aggregate them broadcast the params to ``(B, ...)``)."""
     for path, a, b in zip(tree.paths(new), tree.leaves(new), tree.leaves(old)):
         if a.shape != b.shape:
             raise ValueError(
