@@ -216,11 +216,11 @@ def _accountants() -> Any:
 
 def _check_per_example(updates: PyTree, params: PyTree) -> None:
     batches = set()
-    for path, g, p in zip(tree.paths(updates), tree.leaves(updates), tree.leaves(params)):
+    for i, (g, p) in enumerate(zip(tree.leaves(updates), tree.leaves(params))):
         if tuple(g.shape[1:]) != tuple(p.shape) or g.ndim != p.ndim + 1:
             raise ValueError(
                 f"differentially_private_aggregate takes per-example gradients (shape (B, *param.shape)); "
-                f"{path} is {tuple(g.shape)} for a param of shape {tuple(p.shape)}. Build the step with "
+                f"{tree.paths(updates)[i]} is {tuple(g.shape)} for a param of shape {tuple(p.shape)}. Build the step with "
                 "make_train_step(..., per_example=True)"
             )
         batches.add(g.shape[0])

@@ -390,10 +390,10 @@ def _update(
 def _check_shapes(new: Any, old: Any) -> None:
     """The update kept every param's shape (per-example gradients given to an optimizer that does not
     aggregate them broadcast the params to ``(B, ...)``)."""
-    for path, a, b in zip(tree.paths(new), tree.leaves(new), tree.leaves(old)):
+    for i, (a, b) in enumerate(zip(tree.leaves(new), tree.leaves(old))):
         if a.shape != b.shape:
             raise ValueError(
-                f"train step: the optimizer turned param {path} of shape {tuple(b.shape)} into "
+                f"train step: the optimizer turned param {tree.paths(new)[i]} of shape {tuple(b.shape)} into "
                 f"{tuple(a.shape)}. With make_train_step(..., per_example=True) the optimizer gets "
                 "per-example gradients and must aggregate them first: ft.optim.dpsgd(...) or "
                 "chain(ft.optim.differentially_private_aggregate(...), ...)"
