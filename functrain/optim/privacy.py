@@ -79,7 +79,9 @@ def per_example_global_norm_clip(
     """
     norms = sum(g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads).sqrt()  # type: ignore[union-attr]
     factors = torch.clamp(l2_norm_clip / norms, max=1.0).nan_to_num(nan=1.0)  # a zero gradient: 0/0 at C=0
-    summed = [torch.tensordot(factors.to(g.dtype), g, dims=1) for g in grads]
+    # a product and a sum over the batch axis, not tensordot: inductor fuses it with the norms (measured
+    # compiled, 64-wide MLP, B=64: 2.07 ms a step against tensordot's 3.90; a plain step 1.18)
+    summed = [(g * factors.to(g.dtype).view(-1, *[1] * (g.ndim - 1))).sum(0) for g in grads]
     return summed, (norms > l2_norm_clip).sum()
 
 
