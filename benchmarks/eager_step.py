@@ -32,7 +32,9 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -51,6 +53,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common
 
 LR, WEIGHT_DECAY = common.LR, common.WEIGHT_DECAY
+
+
+def _scratch() -> str:
+    """A new folder for a Trainer's run directory, removed when this process exits."""
+    path = tempfile.mkdtemp(prefix="eager-step-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 # ------------------------------------------------------------------------------------------ jobs
@@ -169,7 +178,7 @@ def step_variants(job: Job, batches: list[Any]) -> dict[str, Callable[[], None]]
         for batch in batches:
             box[0], _ = step(box[0], batch)
 
-    trainer = _trainer(job, tempfile.mkdtemp(prefix="eager-step-"))
+    trainer = _trainer(job, _scratch())
     trainer_step, tbox = trainer._jit("train"), [trainer.state]
 
     def trainer_pass() -> None:
@@ -223,7 +232,7 @@ def call_variants(job: Job) -> dict[str, Callable[[], None]]:
         return run
 
     def trainer_call() -> Callable[[], None]:
-        out = tempfile.mkdtemp(prefix="eager-call-")
+        out = _scratch()
 
         def run() -> None:  # a fresh output_dir each call (a rerun would write <out>-N beside it)
             _trainer(job, tempfile.mkdtemp(dir=out)).train()
@@ -236,7 +245,7 @@ def call_variants(job: Job) -> dict[str, Callable[[], None]]:
 # ------------------------------------------------------------------------------------------ child
 
 CHILD = """
-import json, sys, tempfile, time
+import json, sys, time
 t0 = time.perf_counter()
 import torch
 t1 = time.perf_counter()
@@ -246,7 +255,7 @@ sys.path.insert(0, sys.argv[1])
 import eager_step
 job = eager_step.make_job("digits")
 t3 = time.perf_counter()
-trainer = eager_step._trainer(job, tempfile.mkdtemp(prefix="eager-child-"))
+trainer = eager_step._trainer(job, eager_step._scratch())
 t4 = time.perf_counter()
 built = {m: m in sys.modules for m in ("torch._dynamo", "torch._inductor")}
 trainer.train()
