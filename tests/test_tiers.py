@@ -144,6 +144,30 @@ def test_a_short_run_stays_eager_and_never_builds_the_inductor_step(tmp_path, mo
     assert stand_ins == []
 
 
+def test_under_torchrun_every_rank_takes_rank_zeros_plan(monkeypatch):
+    """Each rank times its own steps; replicas on different tiers would drift apart by rounding."""
+    import importlib
+
+    from functrain.distributed import env
+
+    replicate = importlib.import_module("functrain.distributed.replicate")  # the module (the package
+    # exports its function under the same name)
+
+    rank0 = torch.tensor([2.0, 2.0, 20.0, 167.0], dtype=torch.float64)  # rank 0 switches at once
+    sent = []
+    monkeypatch.setattr(env, "is_distributed", lambda: True)
+    monkeypatch.setattr(replicate, "replicate", lambda t: sent.append(t) or rank0)
+    state, step, _ = setup(TierPolicy(measure_steps=1), clock=FakeClock(1e-9), compile_cost=lambda *a: 20.0)
+    batch = dataset(8)[0]
+    batch = (batch[0][None], batch[1][None])
+    for i in range(2):
+        step.at_step(i, total=100)
+        state, _ = step(state, batch)
+    assert step.at_step(2, total=100) == "inductor"  # this rank alone would stay eager (saves ~0 s)
+    assert step.plan == TierPlan(decided_at=2, switch_at=2, cost=20.0, saving=167.0)
+    assert len(sent) == 1 and sent[0].tolist() == [2.0, -1.0, 20.0, 0.0]  # its own plan, offered once
+
+
 def test_the_cost_is_the_last_recorded_compile_of_this_step_else_the_cold_prior(tmp_path, monkeypatch):
     monkeypatch.setenv("FUNCTRAIN_CACHE_DIR", str(tmp_path))
     state, step, _ = setup(TierPolicy(measure_steps=1))

@@ -267,7 +267,9 @@ class TieredStep:
         if self.plan.decided_at is None and measured and (self.policy.measure_steps == 0 or self._last_call):
             seconds = statistics.median(self.eager_seconds) if self.eager_seconds else math.nan
             cost = self._cost() if self.policy.measure_steps else 0.0
-            self.plan = self.policy.decide(step, TierEstimates(max(total - step, 0), seconds, cost))
+            self.plan = _rank_zeros(
+                self.policy.decide(step, TierEstimates(max(total - step, 0), seconds, cost))
+            )
             log.info("%s: %s", self.__name__, self.plan.describe())
         self.tier = self.plan.tier_at(step)
         return self.tier
@@ -321,6 +323,22 @@ class TieredStep:
 
     def __repr__(self) -> str:
         return f"TieredStep({self.__name__}, tier={self.current_tier}, plan={self.plan})"
+
+
+def _rank_zeros(plan: TierPlan) -> TierPlan:
+    """Under torchrun, rank 0's plan on every rank: each measured its own steps, and replicas whose steps
+    ran on different tiers would drift apart by rounding. Every rank decides at the same step (after the
+    same number of calls), so every rank is here together."""
+    from functrain.distributed.env import is_distributed
+
+    if not is_distributed():
+        return plan
+    from functrain.distributed.replicate import replicate
+
+    switch = -1 if plan.switch_at is None else plan.switch_at
+    agreed = replicate(torch.tensor([plan.decided_at, switch, plan.cost, plan.saving], dtype=torch.float64))
+    decided, switch_at, cost, saving = agreed.tolist()
+    return TierPlan(int(decided), None if switch_at < 0 else int(switch_at), cost, saving)
 
 
 # jit's options that key a compile record (functrain.jit.CompiledStep._options), with jit's defaults.
