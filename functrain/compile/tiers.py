@@ -188,7 +188,8 @@ def cold_compile_seconds(model: Any, device: torch.device | None) -> float:
 class TieredStep:
     """A step run eagerly until its policy says the inductor step pays, then compiled (see the module's
     docstring). Call it like the step; ``fit`` drives it at each step boundary (:meth:`at_step`) and keeps
-    its :attr:`plan` in the run's checkpoints.
+    its :attr:`plan` in the run's checkpoints. A step nothing drives (a predict step, an evaluation before
+    any training) stays eager; an eval step given to ``fit`` with a tiered train step follows its tier.
 
     Attributes:
         plan: the :class:`TierPlan` (``decided_at is None``: not decided yet).
