@@ -76,6 +76,8 @@ def setup(policy, dropout=0.5, **kwargs):
         stand_ins.append(StandIn(model))
         return stand_ins[-1]
 
+    if isinstance(kwargs.get("clock"), FakeClock):  # CPU time as fast as wall time: an idle machine
+        kwargs.setdefault("cpu_clock", FakeClock(kwargs["clock"].step_s))
     step = TieredStep(ft.make_train_step(model, LOSS), policy=policy, build=build, **kwargs)
     return state, step, stand_ins
 
@@ -142,6 +144,26 @@ def test_a_short_run_stays_eager_and_never_builds_the_inductor_step(tmp_path, mo
     assert step.plan.decided_at == 3 and step.plan.switch_at is None
     assert step.plan.cost == cold_compile_seconds(step.step.model, torch.device("cpu"))
     assert stand_ins == []
+
+
+def test_a_busy_machine_slows_the_prior_compile_as_much_as_the_steps(tmp_path, monkeypatch):
+    """Steps at 8x their CPU time (other work on the cores): a cold compile takes 8x the idle prior too, so
+    5,000 steps left save ~6.7 s of ~146 s, not of ~18 s. A recorded compile was timed as it ran: as it is."""
+    monkeypatch.setenv("FUNCTRAIN_CACHE_DIR", str(tmp_path))
+    state, step, _ = setup(TierPolicy(measure_steps=2), clock=FakeClock(0.008), cpu_clock=FakeClock(0.001))
+    batch = dataset(8)[0]
+    batch = (batch[0][None], batch[1][None])
+    for i in range(3):
+        step.at_step(i, total=5003)
+        state, _ = step(state, batch)
+    assert step.at_step(3, total=5003) == "eager"
+    assert step.slowdown == pytest.approx(8.0)
+    prior = cold_compile_seconds(step.step.model, torch.device("cpu"))
+    assert step.plan.cost == pytest.approx(8 * prior) and step.plan.saving == pytest.approx(6.667, abs=1e-3)
+    options = {"fullgraph": True, "dynamic": False, "mode": None, "options": None}
+    key = compile_times.compile_key("train_step", step.step.model, (state, (batch,), {}), options)
+    compile_times.record(key, 30.0)
+    assert step._estimated_cost(state, (batch,), {}) == 30.0
 
 
 def test_under_torchrun_every_rank_takes_rank_zeros_plan(monkeypatch):

@@ -6,7 +6,8 @@ step boundary asks a :class:`TierPolicy` whether inductor pays over the steps le
 
     saving = remaining steps x eager step time x (1 - 1 / expected speedup)
     cost   = the last compile of this step on this machine (near zero when the caches are warm),
-             else a cold prior by device and model size
+             else a cold prior by device and model size, times how much slower than its CPU time the
+             eager step ran (a machine busy with other work slows a compile as much as the steps)
 
 It switches only where ``saving > cost``. The decision is a :class:`TierPlan` (the step it was taken at, the
 step from which inductor runs, both estimates): logged in one line, kept in the run's checkpoints by
@@ -37,6 +38,7 @@ from functrain.compile.wrappers import device_of
 from functrain.step import Step, as_step
 
 __all__ = [
+    "Policy",
     "SwitchAt",
     "TierEstimates",
     "TierPlan",
@@ -195,7 +197,8 @@ class TieredStep:
         plan: the :class:`TierPlan` (``decided_at is None``: not decided yet).
         tier: the tier the next call runs on (``"eager"``/``"inductor"``).
         step: the :class:`functrain.step.Step` it runs.
-        eager_seconds: the eager calls timed so far (seconds; the warm-up call excluded).
+        eager_seconds: the eager calls timed so far (seconds; the warm-up call excluded);
+            ``eager_cpu_seconds``: their CPU time (the process's).
     """
 
     def __init__(
@@ -206,6 +209,7 @@ class TieredStep:
         build: Callable[[], Callable[..., Any]] | None = None,
         compile_cost: Callable[[Any, tuple, dict], float] | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        cpu_clock: Callable[[], float] = time.process_time,
         donate: bool = False,
         seed: bool = True,
         rank: int | None = None,
@@ -220,10 +224,11 @@ class TieredStep:
         self._jit_options = jit_options  # for the inductor step: mode, dynamic, cache_dir, ...
         self._build = build if build is not None else self._inductor_step
         self._compile_cost = compile_cost if compile_cost is not None else self._estimated_cost
-        self._clock = clock
+        self._clock, self._cpu_clock = clock, cpu_clock
         self.plan = TierPlan()
         self.tier = EAGER
         self.eager_seconds: list[float] = []
+        self.eager_cpu_seconds: list[float] = []
         self._warmed_up = False
         self._last_call: tuple[Any, tuple, dict] | None = None
         self._eager: Callable[..., Any] | None = None
@@ -268,7 +273,7 @@ class TieredStep:
         if self.plan.decided_at is None and measured and (self.policy.measure_steps == 0 or self._last_call):
             seconds = statistics.median(self.eager_seconds) if self.eager_seconds else math.nan
             cost = self._cost() if self.policy.measure_steps else 0.0
-            self.plan = _rank_zeros(
+            self.plan = _rank_zero_plan(
                 self.policy.decide(step, TierEstimates(max(total - step, 0), seconds, cost))
             )
             log.info("%s: %s", self.__name__, self.plan.describe())
@@ -287,13 +292,14 @@ class TieredStep:
         if len(self.eager_seconds) >= self.policy.measure_steps or self.leader is not None:
             return self._eager(state, *args, **kwargs)  # timed enough: nothing but the step
         self._last_call = (state, args, kwargs)
-        started = self._clock()
+        started, cpu = self._clock(), self._cpu_clock()
         out = self._eager(state, *args, **kwargs)
         device = device_of(state)
         if device is not None and device.type == "cuda":  # the step's own time, not its launch
             torch.cuda.synchronize(device)
         if self._warmed_up:
             self.eager_seconds.append(self._clock() - started)
+            self.eager_cpu_seconds.append(self._cpu_clock() - cpu)
         self._warmed_up = True
         return out
 
@@ -315,7 +321,17 @@ class TieredStep:
         except Exception as e:  # only the record is lost: the prior stands in
             log.debug("%s: no recorded compile time (%s: %s)", self.__name__, type(e).__name__, e)
             recorded = None
-        return recorded if recorded is not None else cold_compile_seconds(self._step.model, device_of(state))
+        if recorded is not None:
+            return recorded
+        return cold_compile_seconds(self._step.model, device_of(state)) * self.slowdown
+
+    @property
+    def slowdown(self) -> float:
+        """How much longer than their CPU time the timed eager steps took (at least 1): on a machine busy
+        with other work (measured here: 8x), a compile, CPU-bound too, takes that much longer than the
+        prior (measured on an idle machine) says."""
+        wall, cpu = sum(self.eager_seconds), sum(self.eager_cpu_seconds)
+        return max(1.0, wall / cpu) if cpu > 0 else 1.0
 
     def _inductor_step(self) -> Callable[..., Any]:
         from functrain.jit import jit
@@ -326,7 +342,7 @@ class TieredStep:
         return f"TieredStep({self.__name__}, tier={self.current_tier}, plan={self.plan})"
 
 
-def _rank_zeros(plan: TierPlan) -> TierPlan:
+def _rank_zero_plan(plan: TierPlan) -> TierPlan:
     """Under torchrun, rank 0's plan on every rank: each measured its own steps, and replicas whose steps
     ran on different tiers would drift apart by rounding. Every rank decides at the same step (after the
     same number of calls), so every rank is here together."""
