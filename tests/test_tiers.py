@@ -160,6 +160,14 @@ def test_a_busy_machine_slows_the_prior_compile_as_much_as_the_steps(tmp_path, m
     assert step.slowdown == pytest.approx(8.0)
     prior = cold_compile_seconds(step.step.model, torch.device("cpu"))
     assert step.plan.cost == pytest.approx(8 * prior) and step.plan.saving == pytest.approx(6.667, abs=1e-3)
+    from functrain.compile import tiers
+
+    on_cpu = tiers.device_of
+    monkeypatch.setattr(tiers, "device_of", lambda state: torch.device("cuda"))  # the host waits on a GPU
+    assert step._estimated_cost(state, (batch,), {}) == cold_compile_seconds(
+        step.step.model, torch.device("cuda")
+    )
+    monkeypatch.setattr(tiers, "device_of", on_cpu)
     options = {"fullgraph": True, "dynamic": False, "mode": None, "options": None}
     key = compile_times.compile_key("train_step", step.step.model, (state, (batch,), {}), options)
     compile_times.record(key, 30.0)

@@ -7,7 +7,7 @@ step boundary asks a :class:`TierPolicy` whether inductor pays over the steps le
     saving = remaining steps x eager step time x (1 - 1 / expected speedup)
     cost   = the last compile of this step on this machine (near zero when the caches are warm),
              else a cold prior by device and model size, times how much slower than its CPU time the
-             eager step ran (a machine busy with other work slows a compile as much as the steps)
+             eager step ran on a CPU (a machine busy with other work slows a compile as much as the steps)
 
 It switches only where ``saving > cost``. The decision is a :class:`TierPlan` (the step it was taken at, the
 step from which inductor runs, both estimates): logged in one line, kept in the run's checkpoints by
@@ -323,7 +323,10 @@ class TieredStep:
             recorded = None
         if recorded is not None:
             return recorded
-        return cold_compile_seconds(self._step.model, device_of(state)) * self.slowdown
+        device = device_of(state)
+        # Steps on an accelerator leave the host idle while they run: their wall/CPU time says nothing of load.
+        busy = self.slowdown if device is None or device.type == "cpu" else 1.0
+        return cold_compile_seconds(self._step.model, device) * busy
 
     @property
     def slowdown(self) -> float:
