@@ -115,7 +115,10 @@ def main() -> None:
             for side in ("before", "after") if r % 2 == 0 else ("after", "before"):
                 shared = caches[side] if what in ("cold", "warm") else tempfile.mkdtemp(prefix="house-")
                 results[what][side].append(run(trees[side], what, shared))
-        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
+        print(
+            f"round {r + 1}/{args.rounds}: {json.dumps({w: {k: v[-1] for k, v in s.items()} for w, s in results.items()})}",
+            file=sys.stderr,
+        )
     print("| measure | before (median) | after (median) | after / before |")
     print("|---|---|---|---|")
     for what, sides in results.items():
