@@ -154,7 +154,7 @@ def ft_trainer(job: str, compile: bool | str) -> dict:
 
     started, cpu = time.perf_counter(), time.process_time()
     model, train, test, batch_size = bert_data() if job == "bert" else digits_data()
-    out = tempfile.mkdtemp(prefix="tiers-bench-")
+    out = tempfile.mkdtemp(prefix="tiers-bench-")  # removed by fresh_run with its cache folder
     config = {"output_dir": out, "epochs": JOBS[job], "batch_size": batch_size, "device": DEVICE}
     if compile != "auto":
         config["compile"] = compile
@@ -192,6 +192,7 @@ def fresh_run(job: str, variant: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="tiers-cache-") as cache:
         env = {
             **os.environ,
+            "TMPDIR": cache,  # the run's output_dir too
             "OMP_NUM_THREADS": "1",
             "FUNCTRAIN_CACHE_DIR": os.path.join(cache, "functrain"),
             "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"),
