@@ -360,7 +360,12 @@ class TrainerConfig(ConfigSection):
     mixed_precision: Literal["no", "bf16", "fp16"] = option(
         "no", doc="Autocast dtype: 'no', 'bf16', or 'fp16' (with loss scaling; needs a GPU)."
     )
-    compile: bool = option(True, doc="Compile train and eval steps with torch.compile(fullgraph=True).")
+    compile: bool | Literal["auto"] = option(
+        "auto",
+        doc="'auto': start on the eager step and compile (torch.compile, one graph) only where the run is "
+        "long enough for it to pay (functrain.compile.tiers); true: always compile, waiting for it; false: "
+        "always eager.",
+    )
     compile_mode: CompileMode | None = option(None, doc="torch.compile mode; null: PyTorch's default.")
     donate: bool = option(False, doc="Let the step overwrite the incoming state's tensors (saves memory).")
     compile_cache: bool = option(

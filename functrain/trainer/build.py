@@ -20,7 +20,7 @@ import inspect
 import math
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple, get_args
+from typing import TYPE_CHECKING, Any, NamedTuple, get_args
 
 import torch
 from torch import nn
@@ -30,17 +30,20 @@ from functrain import checkpoint, data, distributed, ensemble, optim
 from functrain import logging as ftlog
 from functrain import metrics as ftmetrics
 from functrain.checkpoint.sharded import ShardedCheckpointManager
+from functrain.compile.tiers import TieredStep, tiered
 from functrain.config import ConfigError, TrainerConfig
 from functrain.config.schedules import SCHEDULES
 from functrain.config.section import type_hints
 from functrain.distributed.block_spec import unknown_block_names
 from functrain.distributed.sharding import local_rows
-from functrain.jit import CompiledStep, jit
 from functrain.precision import LossScale
 from functrain.state import TrainState
 from functrain.step import Step, make_eval_step, make_predict_step, make_train_step
 from functrain.trainer import averaging
 from functrain.trainer.run_dir import COMPILE_CACHE_DIR
+
+if TYPE_CHECKING:
+    from functrain.jit import CompiledStep
 
 __all__ = [
     "LOGGERS",
@@ -492,19 +495,23 @@ def steps(
     return train, evaluate, predict
 
 
-def compiled(config: TrainerConfig, kind: str, fn: Step) -> CompiledStep:
+def compiled(config: TrainerConfig, kind: str, fn: Step) -> CompiledStep | TieredStep:
     """``fn`` (the ``kind`` ``"train"``/``"eval"``/``"predict"`` step) under :func:`functrain.jit` as the
-    config asks: compiled or eager, donated (training), and torch's portable compile cache in the run
-    directory (opt-in: its files are pickles)."""
+    config asks: compiled, eager or tiered (``compile: auto``: eager first, compiled where it pays;
+    :func:`functrain.compile.tiers.tiered`), donated (training), and torch's portable compile cache in the
+    run directory (opt-in: its files are pickles)."""
     cache_dir = Path(config.output_dir) / COMPILE_CACHE_DIR if config.compile_cache else None
-    return jit(
-        fn,
-        compile=config.compile,
+    options = dict(
         mode=config.compile_mode,
         donate=config.donate and kind == "train",
         dynamic=None if kind != "train" else False,
         cache_dir=cache_dir,
     )
+    if config.compile == "auto":
+        return tiered(fn, **options)
+    from functrain.jit import jit  # dynamo's import (seconds) only where a step compiles
+
+    return jit(fn, compile=config.compile, **options)
 
 
 # eval_strategy/save_strategy -> fit's eval_every/save_every, given eval_steps/save_steps ("auto" is
