@@ -8,12 +8,14 @@ and unwraps every output, and its backward always records a graph of itself (``c
 the gradients' own gradients). On the cheap tier, with no transform active, no trace under way and no
 param that autograd already follows, :func:`loss_and_grad` takes ``torch.autograd.grad`` on detached
 copies of the params instead: the gradient of the same forward, by the same backward kernels, at plain
-PyTorch's cost (benchmarks/eager_step.py). The first call still runs the transform: the eager step
-refuses what the compiled step and the transforms refuse (``torch.utils.checkpoint``'s saved-tensor
-hooks, an autograd Function without ``setup_context``: :mod:`functrain.remat`), not a model that fails
-once compiled. Both paths are bitwise the same but for a forward whose random draws depend on a kernel
-choice that the transform changes (``nn.MultiheadAttention``'s dropout): its draws are then the eager
-PyTorch loop's from the second call on (tests/test_step_grad.py).
+PyTorch's cost (benchmarks/eager_step.py). The first call also runs the transform once, as a check
+whose result and random draws are dropped: the eager step refuses what the compiled step and the
+transforms refuse (``torch.utils.checkpoint``'s saved-tensor hooks, an autograd Function without
+``setup_context``: :mod:`functrain.remat`), not a model that fails once compiled. Every step's result is
+the plain path's, whichever call of the process it is, so a resumed run's first step is the
+uninterrupted run's; both paths are bitwise the same but for a forward whose random draws depend on a
+kernel choice that the transform changes (``nn.MultiheadAttention``'s dropout), where the draws are the
+eager PyTorch loop's (tests/test_step_grad.py).
 
 Example:
     >>> import torch
@@ -53,9 +55,9 @@ def loss_and_grad(fn: Callable[..., tuple[torch.Tensor, Any]]) -> Callable[..., 
     ``torch.func.grad_and_value(fn, argnums=0, has_aux=True)``: ``params`` a flat dict of tensors,
     ``value`` a 0-d tensor; a param ``value`` does not depend on gets a zero gradient.
 
-    Eagerly, where :func:`plain_autograd_applies`, by ``torch.autograd.grad`` from the second call on (the
-    first runs the transform: its refusals); the value and every tensor of ``aux`` come back detached, as
-    from the transform.
+    Eagerly, where :func:`plain_autograd_applies`, by ``torch.autograd.grad`` (the first call runs the
+    transform once more, for its refusals, with the generators' states restored after it); the value and
+    every tensor of ``aux`` come back detached, as from the transform.
 
     Example:
         >>> grads, (value, _) = loss_and_grad(lambda p: ((p["w"] ** 2).sum(), ()))({"w": torch.ones(2)})
@@ -63,19 +65,26 @@ def loss_and_grad(fn: Callable[..., tuple[torch.Tensor, Any]]) -> Callable[..., 
         tensor([2., 2.])
     """
     transformed = grad_and_value(fn, argnums=0, has_aux=True)
-    checked = False  # the transform took the function once: the plain path may run it
+    checked = False  # the transform took the function once: what it refuses was refused
 
     def grad_fn(params: dict[str, torch.Tensor], *args: Any) -> Any:
         nonlocal checked
         if torch.compiler.is_dynamo_compiling():  # first: a trace never reads (nor guards on) `checked`
             return transformed(params, *args)
-        if not checked or not plain_autograd_applies(params):
-            out = transformed(params, *args)
+        if not plain_autograd_applies(params):
+            return transformed(params, *args)
+        if not checked:
+            with torch.random.fork_rng(devices=_devices(params)):  # a check: it draws nothing of the run's
+                transformed(params, *args)
             checked = True
-            return out
         return _plain_grad_and_value(fn, params, args)
 
     return grad_fn
+
+
+def _devices(params: Mapping[str, torch.Tensor]) -> list[torch.device]:
+    """The accelerators ``params`` live on, whose generators :func:`torch.random.fork_rng` restores."""
+    return list({p.device for p in params.values() if p.device.type != "cpu"})
 
 
 def _plain_grad_and_value(fn: Callable[..., Any], params: dict[str, torch.Tensor], args: tuple) -> Any:
