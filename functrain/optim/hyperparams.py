@@ -161,7 +161,7 @@ def _as_like(name: str, value: Any, like: torch.Tensor) -> torch.Tensor:
             raise ValueError(
                 f"set_hyperparams: {name} must be a scalar, got a tensor of shape {tuple(value.shape)}"
             )
-        return value.detach().to(dtype=like.dtype, device=like.device).reshape(()).clone()
+        return value.to(dtype=like.dtype, device=like.device).reshape(()).clone()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(
             f"set_hyperparams: {name} must be a number or a 0-d tensor, got {type(value).__name__}"
