@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from functrain import _lazy
+from functrain.core import lazy as _lazy
 
 _SUBMODULES = (
     "callbacks",

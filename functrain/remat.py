@@ -35,7 +35,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from functrain._patch import patched
+from functrain.core.patch import patched
 
 __all__ = ["Remat", "RematRandomnessError", "checkpoint", "remat", "routed_checkpoint"]
 

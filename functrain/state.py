@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 from functrain import random, tree
+from functrain.core.variables import model_variables
 from functrain.distributed.sharded_step import apply_full_gradients
 from functrain.distributed.sharding import shard_variables
 from functrain.optim import GradientTransformation, apply_gradients
-from functrain.variables import model_variables
 
 __all__ = ["TrainState"]
 

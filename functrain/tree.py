@@ -33,7 +33,7 @@ import optree
 import torch
 import torch.utils._pytree as torch_pytree
 
-from functrain import _foreach as foreach
+from functrain.core import foreach
 
 NAMESPACE = "functrain"
 

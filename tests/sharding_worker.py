@@ -25,7 +25,7 @@ from torchrun_exit import exit_skipping_teardown
 import functrain as ft
 from functrain import distributed
 from functrain.checkpoint import sharded as ckpt
-from functrain.tree_walk import leaves_with_paths
+from functrain.core.tree_walk import leaves_with_paths
 
 SIZES = (8, 7, 5, 3, 8, 6)  # global batch per step: uneven splits; with 4 ranks a batch of 3 leaves one empty
 VOCAB, SEQ, CLASSES = 11, 5, 3

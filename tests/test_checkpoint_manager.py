@@ -17,8 +17,8 @@ import types
 import pytest
 import torch
 
-from functrain import _atomic as atomic
 from functrain.checkpoint import CheckpointError, CheckpointManager
+from functrain.core import atomic
 
 
 def _save_steps(manager, losses):

@@ -101,7 +101,7 @@ def test_save_replaces_a_good_file_only_when_complete(tmp_path):
 
 def test_a_write_failing_midway_leaves_the_replaced_file_whole(tmp_path):
     # atomic_write drops the old file's cached pages before writing: its contents must not suffer.
-    from functrain._atomic import atomic_write, drop_cached_pages
+    from functrain.core.atomic import atomic_write, drop_cached_pages
 
     path = tmp_path / "last.ckpt"
     old = torch.arange(1 << 18, dtype=torch.float32)

@@ -329,8 +329,8 @@ def test_compiled_ensemble_is_one_graph_and_matches_eager():
         "functrain.ensemble",
         "functrain.ensemble.stacked",
         "functrain.ensemble.steps",
-        "functrain.logging.members",
-        "functrain._foreach",
+        "functrain.core.member_names",
+        "functrain.core.foreach",
     ],
 )
 def test_docstring_examples(name):

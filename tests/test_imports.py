@@ -9,7 +9,7 @@ How an import is resolved:
 - ``import a.b.c`` and ``from a.b import c`` (``c`` a module) run ``a.b.c``, and also the ``__init__`` of
   each package above it that the importing module is not itself inside (those already ran);
 - ``from a.b import name`` (``name`` not a module) runs ``a.b``; where ``a.b`` is a lazy package
-  (``functrain._lazy`` or a module ``__getattr__`` over ``_LAZY``), ``name`` loads the module the lazy
+  (``functrain.core.lazy`` or a module ``__getattr__`` over ``_LAZY``), ``name`` loads the module the lazy
   table names, so the edge goes there: a lazy ``__init__`` imports nothing itself, its importer does;
 - imports under ``if TYPE_CHECKING:`` never run and are left out.
 
@@ -215,21 +215,13 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "core",
         (
-            "functrain",  # the package __init__: lazy names only (functrain._lazy)
-            "functrain._lazy",
+            "functrain",  # the package __init__: lazy names only (functrain.core.lazy)
+            "functrain.core",
             "functrain._version",
-            "functrain._atomic",
-            "functrain._foreach",
-            "functrain._patch",
             "functrain.tree",
-            "functrain.tree_walk",
             "functrain.random",
             "functrain.precision",
-            "functrain.variables",
-            "functrain.masked_batch",
-            "functrain.member_axis",
             "functrain.metrics",
-            "functrain.logging.members",
         ),
     ),
     ("optim", ("functrain.optim",)),

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from functrain import _foreach as foreach
 from functrain import optim, tree
+from functrain.core import foreach
 
 
 def _doubled(leaves: list[torch.Tensor]) -> list[torch.Tensor]:

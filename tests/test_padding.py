@@ -13,9 +13,9 @@ from torch import nn
 
 import functrain as ft
 from functrain import metrics
+from functrain.core.masked_batch import masked_loss
 from functrain.data import Loader, MaskedBatch, pad_batch, trim
 from functrain.data.padding import padded
-from functrain.masked_batch import masked_loss
 from tests.trainer_fixtures import quiet_config
 
 

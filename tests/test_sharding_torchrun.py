@@ -20,7 +20,7 @@ import torch
 import functrain as ft
 from functrain import distributed
 from functrain.checkpoint import sharded as ckpt
-from functrain.tree_walk import leaves_with_paths
+from functrain.core.tree_walk import leaves_with_paths
 
 pytestmark = pytest.mark.slow
 

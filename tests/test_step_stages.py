@@ -9,24 +9,24 @@ import torch.nn.functional as F
 from models import classification_batch, mlp
 
 import functrain as ft
-from functrain import step as step_module
+from functrain.core.masked_batch import MaskedBatch
 from functrain.distributed.strategy import DataParallel, Replicated
-from functrain.masked_batch import MaskedBatch
 from functrain.precision import LossScale
+from functrain.step import train as train_module
 
 
 def test_micro_batch_shares_are_their_fractions_of_the_examples() -> None:
     batch = (torch.arange(7.0), torch.arange(7))
-    parts = step_module._micro_batches(batch, None, 3)
+    parts = train_module._micro_batches(batch, None, 3)
     assert [len(mb[0]) for mb, _, _ in parts] == [3, 2, 2]
     assert [share for _, share, _ in parts] == [3 / 7, 2 / 7, 2 / 7]
-    assert step_module._micro_batches(batch, None, 1) == [(batch, 1.0, ())]
+    assert train_module._micro_batches(batch, None, 1) == [(batch, 1.0, ())]
 
 
 def test_a_padded_batch_counts_each_micro_batch_once_through_its_mask() -> None:
     batch = (torch.arange(4.0), torch.arange(4))
     mask = torch.tensor([True, True, True, False])
-    parts = step_module._micro_batches(batch, mask, 2)
+    parts = train_module._micro_batches(batch, mask, 2)
     assert [share for _, share, _ in parts] == [1.0, 1.0]
     masks = [masking[0] for _, _, masking in parts]
     assert [m.tolist() for m in masks] == [[True, True], [True, False]]
@@ -34,7 +34,7 @@ def test_a_padded_batch_counts_each_micro_batch_once_through_its_mask() -> None:
 
 
 def test_accumulated_sums_are_weighted_by_share() -> None:
-    acc = step_module._Accumulated({}, {}, torch.device("cpu"))
+    acc = train_module._Accumulated({}, {}, torch.device("cpu"))
     for share, value in ((0.25, 4.0), (0.75, 8.0)):
         aux = {"metrics": {"m": torch.tensor(value)}, "preds": torch.ones(1), "target": torch.zeros(1)}
         acc.add({"w": torch.full((2,), value * share)}, torch.tensor(value), aux, share)
@@ -46,11 +46,11 @@ def test_accumulated_sums_are_weighted_by_share() -> None:
 
 def test_unscale_divides_by_the_loss_scale_and_reports_finiteness() -> None:
     grads = {"w": torch.tensor([4.0, 8.0])}
-    assert step_module._unscale(grads, None) == (grads, None, None)
+    assert train_module._unscale(grads, None) == (grads, None, None)
     scale = LossScale.create(init_scale=4.0)
-    out, _, finite = step_module._unscale(grads, scale)
+    out, _, finite = train_module._unscale(grads, scale)
     assert out["w"].tolist() == [1.0, 2.0] and bool(finite)
-    _, shrunk, finite = step_module._unscale({"w": torch.tensor([float("inf")])}, scale)
+    _, shrunk, finite = train_module._unscale({"w": torch.tensor([float("inf")])}, scale)
     assert not bool(finite) and float(shrunk.scale) < 4.0
 
 
@@ -76,8 +76,8 @@ def test_update_uses_the_strategy_norm_for_clipping_and_grad_norm() -> None:
     state = ft.TrainState.create(model, tx, seed=0)
     grads = {k: torch.ones_like(v) for k, v in state.params.items()}
     strategy = _Doubling()
-    local = step_module._update(state, grads, Replicated(), in_place=False)
-    doubled = step_module._update(state, grads, strategy, in_place=False)
+    local = train_module._update(state, grads, Replicated(), in_place=False)
+    doubled = train_module._update(state, grads, strategy, in_place=False)
     assert float(doubled[2]) == pytest.approx(2 * float(local[2]))
     k = next(iter(state.params))
     moved = (state.params[k] - doubled[0][k]).abs().max() / (state.params[k] - local[0][k]).abs().max()

@@ -20,7 +20,7 @@ Example:
 
 from typing import TYPE_CHECKING
 
-from functrain import _lazy
+from functrain.core import lazy as _lazy
 
 # imported on first use, so `functrain inspect --help` (and `functrain --help`) load no torch
 _lazy.install(

@@ -19,13 +19,13 @@ from typing import Any
 import torch
 
 from functrain import tree
-from functrain._atomic import atomic_write
 from functrain.checkpoint import format as fmt
 from functrain.checkpoint import structure
 from functrain.checkpoint.errors import CheckpointError
 from functrain.checkpoint.format import CheckpointHeader, TensorInfo
 from functrain.checkpoint.onto import fit_checkpoint_hint, restore_onto
-from functrain.tree_walk import Path, leaves_with_paths
+from functrain.core.atomic import atomic_write
+from functrain.core.tree_walk import Path, leaves_with_paths
 
 __all__ = ["read_header", "restore", "save"]
 

@@ -52,7 +52,7 @@ from functrain import tree
 from functrain._version import __version__
 from functrain.checkpoint.errors import CheckpointError
 from functrain.checkpoint.memory import available_memory, human_size
-from functrain.tree_walk import Path
+from functrain.core.tree_walk import Path
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",

@@ -19,9 +19,9 @@ from typing import Any, Literal
 
 import torch
 
-from functrain._atomic import atomic_write, temporary_path
 from functrain.checkpoint.errors import CheckpointError
 from functrain.checkpoint.sources import checkpoint_weights, import_safetensors
+from functrain.core.atomic import atomic_write, temporary_path
 
 __all__ = ["export", "to_state_dict"]
 

@@ -4,7 +4,7 @@ Each checkpoint is one file ``step_<step>.ckpt`` written through a temporary fil
 folder only ever holds complete checkpoints under their final names. Only saving modifies the folder:
 opening a manager, ``latest()``, ``restore()`` and the other queries never create or delete anything, so a
 run can be evaluated while it trains, and read from read-only media. A writer's first save removes the
-temporary files that other writers provably abandoned (see :func:`functrain._atomic.is_abandoned`).
+temporary files that other writers provably abandoned (see :func:`functrain.core.atomic.is_abandoned`).
 Metrics live in each file's header and are read without loading tensors.
 
 Example:
@@ -28,13 +28,13 @@ from typing import Any, Literal
 
 import torch
 
-from functrain._atomic import TMP_MARKER, drop_cached_pages, fsync_directory, is_abandoned
 from functrain.checkpoint import file as checkpoint_file
 from functrain.checkpoint import format as fmt
 from functrain.checkpoint import structure
 from functrain.checkpoint.errors import CheckpointError
 from functrain.checkpoint.folder import CheckpointFolder
 from functrain.checkpoint.shard_shapes import sharded_states
+from functrain.core.atomic import TMP_MARKER, drop_cached_pages, fsync_directory, is_abandoned
 from functrain.distributed.env import is_main_process
 
 __all__ = ["CheckpointManager"]

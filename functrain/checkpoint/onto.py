@@ -16,7 +16,7 @@ import torch
 
 from functrain import tree
 from functrain.checkpoint.shard_shapes import WHOLE_SHAPE, sharded_leaves
-from functrain.tree_walk import Path, children, leaves_with_paths, rebuild_node
+from functrain.core.tree_walk import Path, children, leaves_with_paths, rebuild_node
 
 __all__ = ["restore_onto"]
 

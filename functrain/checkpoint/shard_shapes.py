@@ -14,8 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from functrain import tree
+from functrain.core.tree_walk import Path
 from functrain.distributed.sharding import ShardLayout
-from functrain.tree_walk import Path
 
 __all__ = ["WHOLE_SHAPE", "sharded_leaves", "sharded_states"]
 

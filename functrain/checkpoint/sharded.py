@@ -44,8 +44,8 @@ from functrain.checkpoint.errors import CheckpointError
 from functrain.checkpoint.folder import CheckpointFolder
 from functrain.checkpoint.onto import fit_checkpoint_hint
 from functrain.checkpoint.shard_shapes import WHOLE_SHAPE, sharded_leaves, sharded_states
+from functrain.core.tree_walk import Path, leaves_with_paths, rebuild
 from functrain.distributed.sharding import local_rows
-from functrain.tree_walk import Path, leaves_with_paths, rebuild
 
 __all__ = [
     "ShardedCheckpointManager",

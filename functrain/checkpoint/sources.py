@@ -22,7 +22,7 @@ from functrain.checkpoint import format as fmt
 from functrain.checkpoint import structure
 from functrain.checkpoint.errors import CheckpointError
 from functrain.checkpoint.file import open_for_reading
-from functrain.tree_walk import Path
+from functrain.core.tree_walk import Path
 
 __all__ = ["checkpoint_weights", "import_safetensors", "load_state_dict", "weight_name"]
 

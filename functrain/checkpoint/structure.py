@@ -27,7 +27,7 @@ import torch
 
 from functrain import tree
 from functrain.checkpoint.errors import CheckpointError
-from functrain.tree_walk import Path, children
+from functrain.core.tree_walk import Path, children
 
 __all__ = ["decode", "encode"]
 

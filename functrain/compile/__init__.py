@@ -9,7 +9,7 @@
   forward before the first trace);
 - :mod:`.traceable`: the model made traceable while dynamo traces (:mod:`.rnn`, :mod:`.attention_paths`,
   :mod:`.quiet_logging`, torch.utils.checkpoint through :mod:`functrain.remat`), set for the trace by
-  :func:`functrain._patch.patched` (below :mod:`functrain.remat`, which uses it too).
+  :func:`functrain.core.patch.patched` (below :mod:`functrain.remat`, which uses it too).
 
 Nothing is imported here: what a module needs of jit's internals it imports itself.
 """

@@ -33,7 +33,7 @@ import torch.backends.mha as mha_backend
 import torch.nn.modules.transformer as transformer_module
 from torch import nn
 
-from functrain._patch import patched
+from functrain.core.patch import patched
 
 __all__ = ["causal_hint", "traceable_attention"]
 

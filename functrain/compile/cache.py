@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from functrain._atomic import atomic_write
+from functrain.core.atomic import atomic_write
 
 __all__ = ["CACHE_SUFFIX", "PortableCache"]
 
@@ -58,7 +58,7 @@ def _load_cache_dir(directory: str) -> int:
 def _save_cache_file(directory: str, name: str) -> None:
     """Write this process's compile artifacts (all of them, cumulative) to ``directory/name``.
 
-    Written atomically (:func:`functrain._atomic.atomic_write`): ranks of one run may write the same file
+    Written atomically (:func:`functrain.core.atomic.atomic_write`): ranks of one run may write the same file
     at once.
     """
     artifacts = torch.compiler.save_cache_artifacts()

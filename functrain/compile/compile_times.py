@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as torch_pytree
 
-from functrain._atomic import replace_text
 from functrain.compile.isa_probe import cache_root
+from functrain.core.atomic import replace_text
 
 __all__ = ["announce", "compile_key", "estimate", "record"]
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from functrain._atomic import replace_text
+from functrain.core.atomic import replace_text
 
 _RECORD_PREFIX = "vec-isa-"
 _verified: bool | None = None

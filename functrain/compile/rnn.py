@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
-from functrain._patch import patched
+from functrain.core.patch import patched
 
 __all__ = ["functional_rnns", "rnn_forward"]
 

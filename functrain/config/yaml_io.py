@@ -31,8 +31,8 @@ from typing import Any
 
 import yaml
 
-from functrain._atomic import replace_text
 from functrain.config.errors import ConfigError, Problem
+from functrain.core.atomic import replace_text
 
 __all__ = [
     "MAX_ALIAS_NODES",

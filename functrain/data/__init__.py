@@ -11,6 +11,7 @@ Example:
     (2, 3)
 """
 
+from functrain.core.masked_batch import MaskedBatch, trim, unmask
 from functrain.data.build import as_loader
 from functrain.data.collate import CollateError, collate, empty_batch, num_examples
 from functrain.data.loader import Loader
@@ -21,7 +22,6 @@ from functrain.data.prefetch import Prefetcher, prefetch_to_device
 from functrain.data.shuffle_buffer import ShuffleBuffer
 from functrain.data.sources import ResumeWarning, is_stream
 from functrain.data.transfer import pin_memory, to_device
-from functrain.masked_batch import MaskedBatch, trim, unmask
 
 __all__ = [
     "CollateError",

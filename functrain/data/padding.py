@@ -43,8 +43,8 @@ import optree
 import torch
 
 from functrain import tree
+from functrain.core.masked_batch import MaskedBatch, is_string_column, trim
 from functrain.data.collate import num_examples
-from functrain.masked_batch import MaskedBatch, is_string_column, trim
 
 __all__ = ["pad_batch", "padded", "unpad"]
 

@@ -37,10 +37,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from functrain.core.variables import model_variables
 from functrain.distributed.block_spec import Blocks, block_names
 from functrain.distributed.sharding import Sharding, ShardLayout
 from functrain.remat import Remat, _Holder
-from functrain.variables import model_variables
 
 __all__ = ["GatheredBlocks"]
 

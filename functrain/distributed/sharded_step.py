@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from functrain import _foreach as foreach
+from functrain.core import foreach
 from functrain.distributed.blocks import GatheredBlocks
 from functrain.distributed.gradients import GradientReducer
 from functrain.distributed.sharding import Sharding, ShardLayout, local_rows

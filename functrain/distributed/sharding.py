@@ -44,9 +44,9 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from functrain.core.tree_walk import leaves_with_paths, rebuild
 from functrain.distributed.block_spec import Blocks, check_blocks
 from functrain.distributed.env import is_distributed
-from functrain.tree_walk import leaves_with_paths, rebuild
 
 __all__ = ["LEVELS", "Level", "ShardLayout", "Sharding", "fully_shard"]
 

@@ -15,7 +15,7 @@ A strategy answers, for the stages of :func:`functrain.make_train_step`:
   updated rows as the state keeps them.
 
 Three strategies: :class:`Replicated` (one process, or an ensemble's members under vmap, which needs
-nothing more: ``functrain._foreach`` sees vmap's batched tensors), :class:`DataParallel` (replicated
+nothing more: ``functrain.core.foreach`` sees vmap's batched tensors), :class:`DataParallel` (replicated
 params, the gradient all-reduce of :class:`~functrain.distributed.GradientReducer`) and
 ``functrain.distributed.sharded_step.ShardedStep`` (ZeRO-1/2/3, with or without blocks). Tensor
 parallelism would be one more.

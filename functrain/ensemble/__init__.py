@@ -20,6 +20,7 @@ Example:
     torch.Size([16, 4])
 """
 
+from functrain.core.member_axis import is_ensemble, size
 from functrain.ensemble.stacked import (
     create,
     initialise,
@@ -30,7 +31,6 @@ from functrain.ensemble.stacked import (
     stack,
 )
 from functrain.ensemble.steps import MemberMetrics, eval_step, predict_step, step, vmap_members
-from functrain.member_axis import is_ensemble, size
 
 __all__ = [
     "MemberMetrics",

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from functrain import optim, tree
-from functrain.member_axis import is_ensemble, size
+from functrain.core.member_axis import is_ensemble, size
 from functrain.optim import GradientTransformation
 from functrain.state import TrainState
 

@@ -33,7 +33,7 @@ import torch.utils._pytree as torch_pytree
 from torch.func import vmap
 
 from functrain import tree
-from functrain.member_axis import size
+from functrain.core.member_axis import size
 from functrain.step import Step, as_step
 
 __all__ = ["MemberMetrics", "eval_step", "predict_step", "step", "vmap_members"]
@@ -51,7 +51,7 @@ def vmap_members(fn: Callable[..., Any], *, batch_axis: int | None = None) -> Ca
     ``batch_axis=None`` shares the batch between members; an int maps the batch's tensors along that
     axis (one batch per member). Outputs keep their non-tensor leaves (``None``, ints) as ``fn`` returned
     them and stack the tensors along dim 0. The optimizers' foreach kernels run per tensor inside
-    (``functrain._foreach`` sees vmap's batched tensors): vmap cannot batch foreach ops.
+    (``functrain.core.foreach`` sees vmap's batched tensors): vmap cannot batch foreach ops.
 
     Example:
         >>> per_member = vmap_members(lambda state, batch: state.params["bias"].sum() + batch.sum())

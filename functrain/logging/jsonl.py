@@ -22,7 +22,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from functrain._atomic import replace_text
+from functrain.core.atomic import replace_text
 from functrain.logging.writer import FileWriter, check_scalars, naming_file
 
 __all__ = ["JSONLWriter", "read_jsonl"]

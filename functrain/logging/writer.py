@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from functrain._atomic import replace_text
+from functrain.core.atomic import replace_text
 
 __all__ = ["MultiWriter", "Writer", "WriterBase", "as_writer", "check_scalars", "naming_file"]
 

@@ -41,8 +41,8 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from functrain import _foreach as foreach
 from functrain import tree
+from functrain.core import foreach
 from functrain.optim._leaves import describe_mismatch
 from functrain.tree import PyTree
 
@@ -72,7 +72,7 @@ Schedule = Callable[[Any], torch.Tensor]
 ScalarOrSchedule = float | Schedule
 
 NormFn = Callable[[list[torch.Tensor]], list[torch.Tensor]]
-"""Per-leaf L2 norms: ``fn(leaves) -> [norm of each leaf]`` (0-d tensors). ``functrain._foreach.norm``
+"""Per-leaf L2 norms: ``fn(leaves) -> [norm of each leaf]`` (0-d tensors). ``functrain.core.foreach.norm``
 (each leaf's own) by default; a sharded step's all-reduces the squares over the ranks' rows."""
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from functrain import _foreach as foreach
 from functrain import tree
+from functrain.core import foreach
 from functrain.optim._leaves import check_nonnegative
 from functrain.optim.base import EmptyState, GradientTransformation, NormFn, stateless_leafwise
 from functrain.tree import PyTree

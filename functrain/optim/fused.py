@@ -38,8 +38,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from functrain import _foreach as foreach
 from functrain import tree
+from functrain.core import foreach
 from functrain.optim._leaves import flatten_matching
 from functrain.optim.base import (
     GradientTransformation,

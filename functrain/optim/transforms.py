@@ -21,8 +21,8 @@ import math
 
 import torch
 
-from functrain import _foreach as foreach
 from functrain import tree
+from functrain.core import foreach
 from functrain.optim._leaves import (
     check_nonnegative,
     check_range,

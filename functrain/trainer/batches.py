@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from functrain.step import _INPUT_KEYS, _inputs_and_target
+from functrain.step.batch import INPUT_KEYS, inputs_and_target
 
 __all__ = ["criterion_argument", "forward_takes_labels", "labels_loss", "output_field", "predict_forward"]
 
@@ -85,10 +85,10 @@ def predict_forward(model: Callable[..., Any], batch: Any, takes_labels: bool) -
     dict), or for a Hugging Face batch the logits, without computing a loss."""
     if isinstance(batch, torch.Tensor):
         return model(batch)
-    if takes_labels and isinstance(batch, Mapping) and not any(k in batch for k in _INPUT_KEYS):
+    if takes_labels and isinstance(batch, Mapping) and not any(k in batch for k in INPUT_KEYS):
         return output_field(model(**{k: v for k, v in batch.items() if k != "labels"}), "logits", 0)
     try:
-        x, _ = _inputs_and_target(batch)
+        x, _ = inputs_and_target(batch)
     except (KeyError, TypeError):
         x = batch[0] if isinstance(batch, (tuple, list)) else batch
     return model(x)

@@ -41,7 +41,8 @@ from functrain.checkpoint import restore_onto
 from functrain.config import ConfigError, Problem, TrainerConfig
 from functrain.loop import FitResult, data_key, evaluate, fit, predict
 from functrain.state import TrainState
-from functrain.step import Step, _inputs_and_target
+from functrain.step import Step
+from functrain.step.batch import inputs_and_target
 from functrain.trainer import averaging, batches, build, run_dir, sharded_state, sweep
 
 __all__ = ["Trainer"]
@@ -135,7 +136,7 @@ class Trainer:
         if self.model_takes_labels and isinstance(batch, Mapping) and "labels" in batch:
             own = None if self._use_model_loss else self.criterion
             return batches.labels_loss(model, batch, own, type(self.model).__name__)
-        x, y = _inputs_and_target(batch)
+        x, y = inputs_and_target(batch)
         preds = model(x)
         return self.criterion(preds, y), {"preds": preds, "target": y}
 

@@ -16,8 +16,8 @@ from typing import Any
 from functrain import checkpoint
 from functrain.checkpoint import sharded
 from functrain.checkpoint.onto import restore_onto
+from functrain.core.tree_walk import rebuild
 from functrain.distributed.sharding import ShardLayout, local_rows
-from functrain.tree_walk import rebuild
 
 __all__ = ["load"]
 

@@ -31,10 +31,10 @@ from torch import nn
 from functrain import distributed, ensemble, optim
 from functrain.config import ConfigError, TrainerConfig
 from functrain.config.sweep import SWEEPABLE
+from functrain.core.member_names import lower_is_better, member_key
 from functrain.ensemble.grid import grid, label
 from functrain.ensemble.stacked import create
 from functrain.logging.history import History
-from functrain.logging.members import lower_is_better, member_key
 from functrain.logging.plot import save_panels
 from functrain.optim.hyperparams import names_of
 from functrain.precision import LossScale
@@ -232,7 +232,7 @@ def write_results(
     rows: Sequence[Mapping[str, Any]], directory: str | os.PathLike[str], best: int | None = None
 ) -> tuple[Path, Path]:
     """Write ``sweep_results.csv`` and ``sweep_results.md`` (the ``best`` member marked) in ``directory``."""
-    from functrain._atomic import replace_text
+    from functrain.core.atomic import replace_text
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from functrain.step import _inputs_and_target
+from functrain.step.batch import inputs_and_target
 from functrain.trainer.core import Trainer
 
 __all__ = ["ImageClassificationTrainer", "SegmentationTrainer", "random_hflip", "random_translate"]
@@ -105,7 +105,7 @@ class ImageClassificationTrainer(_ImageTask):
     """
 
     def preprocess(self, batch: Any) -> Any:
-        x, y = _inputs_and_target(batch)
+        x, y = inputs_and_target(batch)
         return self._normalize(x), y
 
     def augment(self, batch: Any) -> Any:
@@ -132,7 +132,7 @@ class SegmentationTrainer(_ImageTask):
     supported_augmentations = ("hflip",)  # translate would have to move the masks too
 
     def preprocess(self, batch: Any) -> Any:
-        x, y = _inputs_and_target(batch)
+        x, y = inputs_and_target(batch)
         return self._normalize(x), y.long()
 
     def augment(self, batch: Any) -> Any:

@@ -21,7 +21,7 @@ them global (``functrain.optim.NormFn``).
 
 Example:
     >>> import torch
-    >>> from functrain import _foreach as foreach
+    >>> from functrain.core import foreach
     >>> torch.func.vmap(lambda x: torch.stack(foreach.mul([x, x], 2.0)))(torch.ones(2, 3)).shape
     torch.Size([2, 2, 3])
 """

@@ -1,0 +1,180 @@
+"""Running the model on a state's tensors: ``bind(params, buffers)`` gives ``call(*inputs)``; the model's
+train/eval mode, autocast, and the routing of ``torch.utils.checkpoint`` to :func:`functrain.remat`.
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Linear(2, 1)
+    >>> call = model_call(model)({"weight": torch.ones(1, 2), "bias": torch.zeros(1)}, {})
+    >>> call(torch.ones(1, 2))
+    tensor([[2.]], grad_fn=<AddmmBackward0>)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from functrain.core.variables import model_variables
+from functrain.remat import routed_checkpoint
+
+__all__ = [
+    "ApplyFn",
+    "autocast",
+    "checkpoint_routing",
+    "device_of",
+    "forward_params",
+    "mode_setter",
+    "model_call",
+]
+
+ApplyFn = Callable[..., Any]  # apply(params, buffers, *inputs) -> outputs
+
+
+def _tied_aliases(model: nn.Module | ApplyFn) -> dict[str, str]:
+    """``{alias: name}`` of the model's tied weights (:func:`functrain.core.variables.model_variables`' ``tied``):
+    found once when a step is built, so that ``functional_call`` runs with ``tie_weights=False`` and does
+    not look for them in every trace (~0.4 s of the 8.5 s dynamo trace of a 12-layer GPT's step,
+    benchmarks/README.md)."""
+    return dict(model_variables(model, copy=False)[2]) if isinstance(model, nn.Module) else {}
+
+
+# Where each tensor of a model lives: its module, its name there, and whether it is a parameter.
+Slots = dict[str, tuple[nn.Module, str, bool]]
+
+
+def _slots(model: nn.Module | ApplyFn) -> Slots | None:
+    """Each parameter's and buffer's slot (every name, tied ones included), found once when a step is
+    built; None for models that :func:`model_call` leaves to ``torch.func.functional_call`` (a function,
+    or a module with parametrizations, whose names are not plain slots)."""
+    if not isinstance(model, nn.Module):
+        return None
+    from torch.nn.utils import parametrize
+
+    slots: Slots = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        if parametrize.is_parametrized(module):
+            return None
+        for kind, members in ((True, module._parameters), (False, module._buffers)):
+            for attr in members:
+                slots[f"{prefix}.{attr}" if prefix else attr] = (module, attr, kind)
+    return slots
+
+
+def model_call(model: nn.Module | ApplyFn) -> Callable[[dict, dict], Callable[..., Any]]:
+    """``bind(params, buffers)``: ``call(*inputs)``, the model run on those tensors. What that needs of
+    the model (tied names, :func:`_tied_aliases`; tensor slots, :func:`_slots`) is found here, once
+    when a step is built.
+
+    With slots the tensors are put into the modules' ``_parameters``/``_buffers`` and taken out again,
+    as ``torch.func.functional_call`` does, without its per-name module lookups and checks: a third of
+    dynamo's trace time of the reparametrization (benchmarks/README.md). Without slots, or for a name
+    that has none, ``functional_call`` does it.
+    """
+    if not isinstance(model, nn.Module):
+
+        def bind_apply_fn(params: dict, buffers: dict) -> Callable[..., Any]:
+            def call_apply_fn(*args: Any, **kwargs: Any) -> Any:
+                return model(params, buffers, *args, **kwargs)
+
+            return call_apply_fn
+
+        return bind_apply_fn
+    aliases, slots = _tied_aliases(model), _slots(model)
+
+    def bind(params: dict, buffers: dict) -> Callable[..., Any]:
+        tensors = {**params, **buffers}
+        tensors.update({alias: tensors[name] for alias, name in aliases.items() if name in tensors})
+
+        def call_functional(*args: Any, **kwargs: Any) -> Any:
+            return functional_call(model, tensors, args, kwargs, tie_weights=False, strict=False)
+
+        if slots is None:
+            return call_functional
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            swapped = []
+            try:
+                for name, tensor in tensors.items():
+                    slot = slots.get(name)
+                    if slot is None:  # not a plain slot: functional_call below
+                        break
+                    module, attr, is_param = slot
+                    members = module._parameters if is_param else module._buffers
+                    swapped.append((members, attr, members[attr]))
+                    members[attr] = tensor
+                else:
+                    return model(*args, **kwargs)
+            finally:
+                for members, attr, original in reversed(swapped):
+                    members[attr] = original
+            return call_functional(*args, **kwargs)
+
+        return call
+
+    return bind
+
+
+def mode_setter(model: nn.Module | ApplyFn) -> Callable[[bool, bool], None]:
+    """``set_mode(training, freeze_batchnorm=False)`` for the model, built once with the step.
+
+    ``model.train(mode)`` walks the module tree through ``children()`` and ``nn.Module.__setattr__``,
+    which dynamo traces module by module (~0.5 s of a 12-layer GPT step's trace). Where no module
+    overrides ``train`` or ``__setattr__``, the setter writes each module's ``training`` flag from a list
+    made here; otherwise it calls ``model.train(mode)`` as before.
+    """
+    if not isinstance(model, nn.Module):
+        return lambda training, freeze_batchnorm=False: None
+    modules = tuple(model.modules())
+    batchnorms = tuple(m for m in modules if isinstance(m, nn.modules.batchnorm._BatchNorm))
+    # Modules with their own ``train`` or ``__setattr__`` (a scripted module keeps its flag in C++) get
+    # ``model.train(mode)``.
+    own_train = any(
+        type(m).train is not nn.Module.train or type(m).__setattr__ is not nn.Module.__setattr__
+        for m in modules
+    )
+
+    def set_mode(training: bool, freeze_batchnorm: bool = False) -> None:
+        if own_train:
+            model.train(training)
+        else:
+            for m in modules:
+                object.__setattr__(m, "training", training)
+        if training and freeze_batchnorm:
+            for m in batchnorms:
+                m.eval()
+
+    return set_mode
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def device_of(params: Mapping[str, torch.Tensor]) -> torch.device:
+    for x in params.values():
+        return x.device
+    return torch.device("cpu")
+
+
+def checkpoint_routing(model: nn.Module | ApplyFn) -> contextlib.AbstractContextManager[Any]:
+    # torch.utils.checkpoint cannot run under torch.func.grad; route it to functrain.remat. Under
+    # torch.compile the routing is done outside the traced code, by jit (dynamo must see it at trace time).
+    if torch.compiler.is_dynamo_compiling():
+        return contextlib.nullcontext()
+    return routed_checkpoint(model)
+
+
+def forward_params(state: Any) -> Any:
+    """The params a forward runs on: a ZeRO-3 state's shards all-gathered (one traced collective per
+    dtype; the layout is a static field of the state), anything else as it is."""
+    layout = getattr(state, "layout", None)
+    if layout is not None and layout.request.shards_params:
+        return layout.gather(state.params, layout.request.param_dtype)
+    return state.params
