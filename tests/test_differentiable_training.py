@@ -12,8 +12,8 @@ import torch
 from torch.nn import functional as F
 
 import functrain as ft
-from functrain import _foreach as foreach
 from functrain import optim
+from functrain.core import foreach
 from functrain.step import make_train_step
 
 STEPS = 3

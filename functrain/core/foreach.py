@@ -109,7 +109,7 @@ def _op(name: str, per_leaf: Callable[..., torch.Tensor], inplace: bool = False)
 def _rebind(name: str, targets: Any, values: list[torch.Tensor]) -> None:
     if not isinstance(targets, list):
         raise TypeError(
-            f"functrain._foreach.{name}_: differentiating through an in-place op needs its first argument "
+            f"functrain.core.foreach.{name}_: differentiating through an in-place op needs its first argument "
             f"to be a list (its items are replaced by the results), got a {type(targets).__name__}"
         )
     targets[:] = values
