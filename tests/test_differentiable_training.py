@@ -38,6 +38,11 @@ OPTIMIZERS: dict[str, Callable[[], optim.GradientTransformation]] = {
     "rmsprop": lambda: optim.rmsprop(0.01, momentum=0.5),
     "rmsprop_centered_l2": lambda: optim.rmsprop(0.001, centered=True, weight_decay=0.01),
     "clip_sgd": lambda: optim.chain(optim.clip(0.05), optim.sgd(0.1)),
+    "multi_transform": lambda: optim.multi_transform(
+        {"body": optim.sgd(0.1, momentum=0.9), "head": optim.adamw(0.05, weight_decay=0.1)},
+        lambda p: optim.labels_by_name(p, {"2.*": "head"}, default="body"),
+    ),
+    "skip_not_finite": lambda: optim.skip_not_finite(optim.lamb(0.05, weight_decay=0.1)),
 }
 
 
