@@ -34,6 +34,8 @@ def test_every_example_is_listed():
         "04_finetune.py",
         "06_sharded.py",
         "07_hf_finetune.py",
+        "09_hypergradient.py",
+        "10_maml_sine.py",
     ]
 
 

@@ -15,8 +15,10 @@ Numbers: benchmarks/README.md, "Compile time and per-call overhead".
 
 :func:`adam_with_fused_apply` builds ``optim.adam``/``optim.adamw``: the usual ``chain`` (same state,
 same ``update``), plus an ``apply`` that :func:`functrain.optim.apply_gradients` (and so every train
-step) uses. It falls back to ``update`` + ``apply_updates`` where the kernel does not apply: for leaves
-that need gradients, are not dense floating-point tensors on CPU or CUDA, or are tensor subclasses.
+step) uses. It falls back to ``update`` + ``apply_updates`` where the kernel does not apply: where
+something differentiates through the step (a leaf, the rate or the decay requires a gradient, as under
+``torch.func.grad`` of a loss after unrolled steps: the kernel has no backward), or for leaves that are
+not dense floating-point tensors on CPU or CUDA, or are tensor subclasses.
 Under ``functrain.ensemble``'s vmap the kernel runs once per member.
 
 Example:
