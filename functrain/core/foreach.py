@@ -50,8 +50,10 @@ def _tracked(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         return False
     for arg in (*args, *kwargs.values()):
         if isinstance(arg, list | tuple):
-            if any(isinstance(x, torch.Tensor) and x.requires_grad for x in arg):
-                return True
+            if arg and isinstance(arg[0], torch.Tensor):  # a tensor list (else numbers, one per leaf)
+                for x in arg:
+                    if x.requires_grad:
+                        return True
         elif isinstance(arg, torch.Tensor) and arg.requires_grad:
             return True
     return False
