@@ -180,8 +180,9 @@ def _kernel_applies(
     on CPU or CUDA, and nothing differentiates through the step (the kernel has no backward): no leaf,
     and neither the rate nor the decay (``scalars``), requires a gradient where grad mode is on.
 
-    Eagerly every leaf is checked (microseconds). Inside a compiled step the params' and grads' layout
-    and whether they or the scalars are differentiated are: dynamo interprets each check, and checking
+    Eagerly every leaf is checked (microseconds; ``not requires_grad`` among the rest). Inside a
+    compiled step the params' and grads' layout and whether they or the scalars are differentiated are:
+    dynamo interprets each check, and checking
     the ~600 leaves of a 12-layer GPT's step cost 0.7 s of its 5 s trace (benchmarks/README.md). The
     grads come from the params through ``grad_and_value`` (same type, dtype and device), and the moments
     are made from the params by ``init`` and moved and cast with them (``TrainState.to``), and follow the
@@ -190,13 +191,10 @@ def _kernel_applies(
     """
     if not params or not all(x.layout == torch.strided for x in grads):
         return False
-    if foreach.tracked(params, grads, scalars):
+    compiling = torch.compiler.is_dynamo_compiling()
+    if foreach.tracked(params, grads, scalars) if compiling else foreach.tracked(scalars):
         return False
-    leaves = (
-        params
-        if torch.compiler.is_dynamo_compiling()
-        else [*params, *grads, *(x for xs in moments for x in xs)]
-    )
+    leaves = params if compiling else [*params, *grads, *(x for xs in moments for x in xs)]
     return all(
         type(x) in (Tensor, torch.nn.Parameter)
         and x.layout == torch.strided
