@@ -382,8 +382,8 @@ def cast(tree: PyTree, dtype: torch.dtype, *, floating_only: bool = True) -> PyT
 def global_norm(
     tree: PyTree, norm: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
 ) -> torch.Tensor:
-    """The L2 norm of all tensor leaves taken together (a 0-d float32 tensor, float64 where a leaf is:
-    clipping float64 training then stays smooth to float64's precision), with one foreach kernel.
+    """The L2 norm of all tensor leaves taken together, with one foreach kernel: a 0-d float32 tensor, or
+    float64 where a leaf is float64 (a float64 run's clipping factor keeps its precision).
 
     ``norm`` takes the per-leaf norms (``functrain.optim.NormFn``; default each leaf's own): a sharded
     step's are over all ranks' rows of each leaf.
