@@ -35,6 +35,8 @@ def test_every_example_is_listed():
         "06_sharded.py",
         "07_hf_finetune.py",
         "08_tensor_parallel.py",
+        "09_hypergradient.py",
+        "10_maml_sine.py",
     ]
 
 

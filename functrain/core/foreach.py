@@ -8,6 +8,14 @@ batched tensors (``functrain.ensemble``'s vmapped step), the same op applied lea
 batches. The choice depends on the arguments only (no flag set up the stack); under ``torch.compile``
 inductor fuses the per-leaf ops again, so the compiled ensemble step pays nothing for it.
 
+Differentiating through an update (``torch.func.grad`` of a loss after unrolled train steps, or plain
+autograd through params that require gradients) needs the per-leaf ops too: ``torch._foreach_mul(list,
+0-d tensor)`` has no working backward (pytorch issue 144580), and an in-place op on a tensor that autograd
+saved (Adam's ``sqrt_`` of its denominator) gives wrong gradients. Where grad mode is on and any argument
+requires a gradient (:func:`tracked`), each op runs leaf by leaf out of place, and the in-place ones put
+their results into the list they were given (``xs[i] = new``) instead of writing into its tensors: callers
+read the result through that list. Nothing differentiated: the foreach kernel, as before.
+
 :func:`norm` is each leaf's own norm: a sharded step passes its optimizer a norm function that makes
 them global (``functrain.optim.NormFn``).
 
@@ -36,6 +44,32 @@ def _batched(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return False
 
 
+def _tracked(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether grad mode is on and any argument (a tensor, or any tensor of a list) requires a gradient."""
+    if not torch.is_grad_enabled():
+        return False
+    for arg in (*args, *kwargs.values()):
+        if isinstance(arg, list | tuple):
+            if arg and isinstance(arg[0], torch.Tensor):  # a tensor list (else numbers, one per leaf)
+                for x in arg:
+                    if x.requires_grad:
+                        return True
+        elif isinstance(arg, torch.Tensor) and arg.requires_grad:
+            return True
+    return False
+
+
+def tracked(*tensors: torch.Tensor | list[torch.Tensor]) -> bool:
+    """Whether something differentiates through these tensors (or lists of them): grad mode is on and one
+    requires a gradient, as inside ``torch.func.grad`` for whatever depends on its inputs.
+
+    Example:
+        >>> tracked([torch.ones(1)]), tracked([torch.ones(1, requires_grad=True)])
+        (False, True)
+    """
+    return _tracked(tensors, {})
+
+
 def batched(tensors: list[torch.Tensor]) -> bool:
     """Whether ``tensors`` are vmap's batched tensors (inside ``functrain.ensemble``'s vmapped step)."""
     return _batched((tensors,), {})
@@ -53,20 +87,34 @@ def _op(name: str, per_leaf: Callable[..., torch.Tensor], inplace: bool = False)
     kernel = getattr(torch, f"_foreach_{name}{'_' if inplace else ''}")
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        if not _batched(args, kwargs):
-            return kernel(*args, **kwargs)
+        differentiated = _tracked(args, kwargs)
+        if not differentiated and not _batched(args, kwargs):
+            result = kernel(*args, **kwargs)
+            return result if inplace else list(result)  # a list, whose items an in-place op may replace
         out = [
             per_leaf(*(_pick(a, i) for a in args), **{k: _pick(v, i) for k, v in kwargs.items()})
             for i in range(len(args[0]))
         ]
         if not inplace:
             return out
+        if differentiated:  # autograd may have saved these tensors: new ones go into the caller's list
+            _rebind(name, args[0], out)
+            return None
         for target, value in zip(args[0], out):
             target.copy_(value)
         return None
 
     run.__name__ = f"{name}{'_' if inplace else ''}"
     return run
+
+
+def _rebind(name: str, targets: Any, values: list[torch.Tensor]) -> None:
+    if not isinstance(targets, list):
+        raise TypeError(
+            f"functrain.core.foreach.{name}_: differentiating through an in-place op needs its first argument "
+            f"to be a list (its items are replaced by the results), got a {type(targets).__name__}"
+        )
+    targets[:] = values
 
 
 def _addcmul(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, value: Any = 1) -> torch.Tensor:

@@ -18,6 +18,11 @@ Example:
 Train steps call :func:`apply_gradients`, which takes a transformation's fused ``apply`` when it has one
 (``adam``/``adamw`` run torch's fused kernel as one op: shorter compiles).
 
+Every optimizer is differentiable: ``torch.func.grad`` through unrolled train steps w.r.t. the initial
+params and the hyperparameters (set with :func:`set_hyperparams`) takes the leaf-by-leaf, out-of-place
+path by itself wherever an argument requires a gradient (tests/test_differentiable_training.py); where
+nothing does, the foreach and fused kernels run as before.
+
 Modules: ``base`` (the pair, ``chain``, ``apply_updates``, ``apply_gradients``), ``transforms`` (the
 building blocks), ``fused`` (Adam's fused kernel), ``clipping``, ``schedules``, ``hyperparams``,
 ``masking`` (``multi_transform``, ``masked``, ``freeze``), ``selection`` (masks and labels by parameter

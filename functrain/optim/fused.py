@@ -15,8 +15,10 @@ Numbers: benchmarks/README.md, "Compile time and per-call overhead".
 
 :func:`adam_with_fused_apply` builds ``optim.adam``/``optim.adamw``: the usual ``chain`` (same state,
 same ``update``), plus an ``apply`` that :func:`functrain.optim.apply_gradients` (and so every train
-step) uses. It falls back to ``update`` + ``apply_updates`` where the kernel does not apply: for leaves
-that need gradients, are not dense floating-point tensors on CPU or CUDA, or are tensor subclasses.
+step) uses. It falls back to ``update`` + ``apply_updates`` where the kernel does not apply: where
+something differentiates through the step (a leaf, the rate or the decay requires a gradient, as under
+``torch.func.grad`` of a loss after unrolled steps: the kernel has no backward), or for leaves that are
+not dense floating-point tensors on CPU or CUDA, or are tensor subclasses.
 Under ``functrain.ensemble``'s vmap the kernel runs once per member.
 
 Example:
@@ -193,25 +195,28 @@ def _(info, in_dims, params, grads, mu, nu, nu_max, count, learning_rate, weight
     return stacked, tuple([0] * len(xs) for xs in stacked)
 
 
-def _kernel_applies(params: list[Tensor], grads: list[Tensor], moments: list[list[Tensor]]) -> bool:
+def _kernel_applies(
+    params: list[Tensor], grads: list[Tensor], moments: list[list[Tensor]], scalars: list[Tensor]
+) -> bool:
     """Whether torch's fused kernel takes these leaves: plain (no subclass) dense floating-point tensors
-    on CPU or CUDA, none requiring gradients.
+    on CPU or CUDA, and nothing differentiates through the step (the kernel has no backward): no leaf,
+    and neither the rate nor the decay (``scalars``), requires a gradient where grad mode is on.
 
-    Eagerly every leaf is checked (microseconds). Inside a compiled step only the params are, and the
-    grads' layout (a sparse embedding's gradient is sparse): dynamo interprets each check, and checking
+    Eagerly every leaf is checked (microseconds; ``not requires_grad`` among the rest). Inside a
+    compiled step the params' and grads' layout and whether they or the scalars are differentiated are:
+    dynamo interprets each check, and checking
     the ~600 leaves of a 12-layer GPT's step cost 0.7 s of its 5 s trace (benchmarks/README.md). The
-    grads come from the params through ``grad_and_value`` (same type, dtype and device, no gradients of
-    their own), and the moments are made from the params by ``init`` and moved and cast with them
-    (``TrainState.to``); a moment of another dtype made by hand reaches torch's kernel, which rejects it
-    ("expected scalar type ...").
+    grads come from the params through ``grad_and_value`` (same type, dtype and device), and the moments
+    are made from the params by ``init`` and moved and cast with them (``TrainState.to``), and follow the
+    params and grads into being differentiated; a moment of another dtype made by hand reaches torch's
+    kernel, which rejects it ("expected scalar type ...").
     """
     if not params or not all(x.layout == torch.strided for x in grads):
         return False
-    leaves = (
-        params
-        if torch.compiler.is_dynamo_compiling()
-        else [*params, *grads, *(x for xs in moments for x in xs)]
-    )
+    compiling = torch.compiler.is_dynamo_compiling()
+    if foreach.tracked(params, grads, scalars) if compiling else foreach.tracked(scalars):
+        return False
+    leaves = params if compiling else [*params, *grads, *(x for xs in moments for x in xs)]
     return all(
         type(x) in (Tensor, torch.nn.Parameter)
         and x.layout == torch.strided
@@ -295,7 +300,8 @@ def adam_with_fused_apply(
         decay_states = state[n_coupled + 1 : -1]
         moments = (adam_state.mu, adam_state.nu, *((adam_state.nu_max,) if amsgrad else ()))
         grad_leaves, (param_leaves, *moment_leaves), spec = flatten_matching("adam", grads, params, *moments)
-        if not _kernel_applies(param_leaves, grad_leaves, moment_leaves):
+        hyper = tree.leaves((coupled_states, decay_states, lr_state))  # the rates and decays, a few 0-d
+        if not _kernel_applies(param_leaves, grad_leaves, moment_leaves, hyper):
             return apply_gradients(unfused, grads, state, params, norm=norm)
         new_coupled = []
         for tx, s in zip(coupled, coupled_states):

@@ -161,7 +161,7 @@ def _as_like(name: str, value: Any, like: torch.Tensor) -> torch.Tensor:
             raise ValueError(
                 f"set_hyperparams: {name} must be a scalar, got a tensor of shape {tuple(value.shape)}"
             )
-        return value.detach().to(dtype=like.dtype, device=like.device).reshape(()).clone()
+        return value.to(dtype=like.dtype, device=like.device).reshape(()).clone()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(
             f"set_hyperparams: {name} must be a number or a 0-d tensor, got {type(value).__name__}"
@@ -173,7 +173,8 @@ def set_hyperparams(opt_state: OptState, **values: float | torch.Tensor) -> OptS
     """A new optimizer state with the named hyperparameters set; ``opt_state`` itself is unchanged.
 
     The new values are fresh 0-d tensors of the old dtype and device, so a compiled step does not
-    recompile. A bare name that is qualified by group labels here (``learning_rate`` under
+    recompile. A tensor value keeps its autograd history: ``torch.func.grad`` of a loss after train steps
+    w.r.t. a rate set here is the hypergradient (examples/09_hypergradient.py). A bare name that is qualified by group labels here (``learning_rate`` under
     ``multi_transform``) is an error naming the qualified ones; pass those with ``**{"head/learning_rate": x}``.
 
     Example:

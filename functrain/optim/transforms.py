@@ -3,7 +3,9 @@
 Each works on the flat list of leaves with ``torch._foreach_*`` kernels (one launch for all parameters in
 eager mode), returns new tensors and never modifies its inputs. Per-parameter state (moments, traces) has
 the structure of the params given to ``init``; scalars (counts, hyperparameters) are 0-d tensors on the
-params' device.
+params' device. Where something differentiates through them (``torch.func.grad`` of a loss after
+unrolled steps, w.r.t. the params or the hyperparameters), ``functrain.core.foreach`` runs each op leaf
+by leaf, out of place: the same transforms are then differentiable.
 
 Example:
     >>> import torch
