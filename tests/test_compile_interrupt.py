@@ -103,6 +103,25 @@ def test_killing_the_compile_workers_spares_the_callers_own_processes():
         mine.wait()
 
 
+def test_a_keyboard_interrupt_while_compiling_kills_the_compilers_before_it_propagates():
+    from torch._inductor.async_compile import AsyncCompile
+
+    pool = AsyncCompile.pool()
+    compiler = pool.submit(subprocess.run, ["sleep", "60"])
+    queued = [pool.submit(subprocess.run, ["sleep", "60"]) for _ in range(4)]  # kernels not started yet
+    with pytest.raises(KeyboardInterrupt), interrupt.compiling():
+        assert interrupt.under_way()
+        for _ in range(200):
+            if any(interrupt._children(os.getpid(), t.native_id) for t in pool._threads):
+                break
+            time.sleep(0.05)
+        raise KeyboardInterrupt  # Ctrl-C while the main thread waits for the kernels
+    assert not interrupt.under_way()
+    assert compiler.result(timeout=30).returncode == -signal.SIGKILL
+    for future in queued:  # cancelled, or killed if a thread had taken it already
+        assert future.cancelled() or future.result(timeout=30).returncode == -signal.SIGKILL
+
+
 @pytest.mark.compile
 def test_the_compile_workers_are_closed_after_a_compile(tmp_path, monkeypatch):
     from torch._inductor.async_compile import AsyncCompile

@@ -22,6 +22,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterator
 
 __all__ = ["CompileInterrupted", "close_compile_workers", "compiling", "under_way"]
@@ -103,8 +104,10 @@ def close_compile_workers(*, kill: bool = False) -> None:
         pool.shutdown(wait=False, cancel_futures=True)
         if kill:
             threads = list(getattr(pool, "_threads", ()))
-            _kill([p for t in threads if t.native_id for c in _children(os.getpid(), t.native_id)
-                   for p in (*_descendants(c), c)])  # fmt: skip
+            for _ in range(3):  # again: a thread may have taken a kernel just before the shutdown
+                _kill([p for t in threads if t.native_id for c in _children(os.getpid(), t.native_id)
+                       for p in (*_descendants(c), c)])  # fmt: skip
+                time.sleep(0.02)
         else:
             pool.shutdown(wait=True)
         compile_class.pool.cache_clear()
