@@ -176,6 +176,7 @@ class CompiledStep:
         # a Python float it traced symbolically is turned into a tensor; seen with a cold inductor
         # cache) and call the backend again for the same compile: count only a graph that compiled.
         compiled = compile_graph(gm, example_inputs, config)
+        interrupt.compiled()  # the graph runs next: a signal no longer abandons the step
         self.num_compiles = count
         if reason is not None:
             self.compile_reasons.append(reason)
@@ -246,7 +247,9 @@ class CompiledStep:
         try:
             # The model's torch.utils.checkpoint, RNNs and log calls, made traceable
             # (functrain.compile.traceable); Ctrl-C ends a compile at once (functrain.compile.interrupt).
-            with traceable(model, compiled=True), interrupt.compiling():
+            # A call that may run an existing graph on donated inputs is never abandoned.
+            abandonable = not self.donate or compiles == 0
+            with traceable(model, compiled=True), interrupt.compiling(abandonable=abandonable):
                 out = self._compiled(state, *args, **kwargs)
         except RecompileError:
             raise

@@ -137,3 +137,16 @@ def test_the_compile_workers_are_closed_after_a_compile(tmp_path, monkeypatch):
         torch._inductor.config.compile_threads = threads
     assert step.num_compiles == 1
     assert AsyncCompile.pool.cache_info().currsize == 0
+
+
+def test_a_compile_is_abandoned_only_before_its_graph_runs():
+    # After the backend returns, the graph may write a donating step's inputs: the step is then finished,
+    # not rerun eagerly; a donating step's later calls (an existing graph may run) are never abandoned.
+    assert not interrupt.under_way()
+    with interrupt.compiling():
+        assert interrupt.under_way()
+        interrupt.compiled()
+        assert not interrupt.under_way()
+    with interrupt.compiling(abandonable=False):
+        assert not interrupt.under_way()
+    assert not interrupt.under_way()

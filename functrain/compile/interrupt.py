@@ -25,9 +25,9 @@ import sys
 import time
 from collections.abc import Iterator
 
-__all__ = ["CompileInterrupted", "close_compile_workers", "compiling", "under_way"]
+__all__ = ["CompileInterrupted", "close_compile_workers", "compiled", "compiling", "under_way"]
 
-_depth = 0  # compiles under way (nested only when a step calls another jitted step)
+_armed: list[bool] = []  # one entry per compile under way (nested when a step calls another jitted step)
 
 
 class CompileInterrupted(KeyboardInterrupt):
@@ -42,23 +42,31 @@ class CompileInterrupted(KeyboardInterrupt):
 
 
 def under_way() -> bool:
-    """Whether a jitted step is compiling (a signal handler may raise :class:`CompileInterrupted`)."""
-    return _depth > 0
+    """Whether a jitted step is compiling and may be abandoned: a signal handler may raise
+    :class:`CompileInterrupted` (then the step's inputs are untouched)."""
+    return bool(_armed) and _armed[-1]
+
+
+def compiled() -> None:
+    """The compile is done and its graph is about to run (it may write donated inputs): from here the
+    step is not abandoned."""
+    if _armed:
+        _armed[-1] = False
 
 
 @contextlib.contextmanager
-def compiling() -> Iterator[None]:
-    """Mark a compile as under way; on ``KeyboardInterrupt`` close the compile workers before it
-    propagates (their compilers killed, queued kernels cancelled)."""
-    global _depth
-    _depth += 1
+def compiling(*, abandonable: bool = True) -> Iterator[None]:
+    """Mark a compile as under way (``abandonable``: :func:`under_way` says so until :func:`compiled`);
+    on ``KeyboardInterrupt`` close the compile workers before it propagates (their compilers killed,
+    queued kernels cancelled)."""
+    _armed.append(abandonable)
     try:
         yield
     except KeyboardInterrupt:
         close_compile_workers(kill=True)
         raise
     finally:
-        _depth -= 1
+        _armed.pop()
 
 
 def _children(pid: int, tid: int) -> list[int]:
