@@ -12,8 +12,8 @@ then functrain, builds the job and runs ``ft.jit(make_train_step(...))`` once, w
 Reported per row: seconds from the end of ``import torch`` to the end of the first step, wall and CPU
 (this process plus its reaped children: a loaded machine stretches wall time, CPU much less), dynamo's
 ``compile_times()`` phases, and peak memory sampled every 10 ms with psutil: the main process's RSS and
-the main process plus its children. A child is counted by its USS (its own pages): between ``fork`` and
-``exec`` a child shares every page of the parent, and its RSS would count the main process twice.
+the main process plus its children. A child is counted by its USS (its own pages), and not at all between
+``vfork`` and ``exec``, while it still is the main process (same memory, same command line).
 
 ``--interrupt``: a fit run with checkpoints and ``Preemption`` gets SIGINT ``--delay`` seconds after
 inductor receives the graph (a cold compile): seconds until the run has saved and returned, and until the
@@ -115,6 +115,7 @@ def _sampled(cmd: list[str], env: dict[str, str]) -> tuple[dict, float, float]:
 
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     main = psutil.Process(proc.pid)
+    command = cmd
     peak_main = peak_tree = 0
     while proc.poll() is None:
         try:
@@ -122,7 +123,10 @@ def _sampled(cmd: list[str], env: dict[str, str]) -> tuple[dict, float, float]:
             kids = 0
             for kid in main.children(recursive=True):
                 with contextlib.suppress(psutil.Error):
-                    kids += kid.memory_full_info().uss
+                    # A child that has not exec'd yet (still the main's command line) is a vfork of the
+                    # main process: its pages are the main's own, even by USS.
+                    if kid.cmdline() != command:
+                        kids += kid.memory_full_info().uss
             peak_main, peak_tree = max(peak_main, rss), max(peak_tree, rss + kids)
         except psutil.Error:
             pass
