@@ -20,7 +20,7 @@ import inspect
 import math
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple, get_args
+from typing import TYPE_CHECKING, Any, NamedTuple, get_args
 
 import torch
 from torch import nn
@@ -30,17 +30,20 @@ from functrain import checkpoint, data, distributed, ensemble, optim
 from functrain import logging as ftlog
 from functrain import metrics as ftmetrics
 from functrain.checkpoint.sharded import ShardedCheckpointManager
+from functrain.compile.tiers import TieredStep, tiered
 from functrain.config import ConfigError, TrainerConfig
 from functrain.config.schedules import SCHEDULES
 from functrain.config.section import type_hints
 from functrain.distributed.block_spec import unknown_block_names
 from functrain.distributed.sharding import local_rows
-from functrain.jit import CompiledStep, jit
 from functrain.precision import LossScale
 from functrain.state import TrainState
 from functrain.step import Step, make_eval_step, make_predict_step, make_train_step
 from functrain.trainer import averaging
 from functrain.trainer.run_dir import COMPILE_CACHE_DIR
+
+if TYPE_CHECKING:
+    from functrain.jit import CompiledStep
 
 __all__ = [
     "LOGGERS",
@@ -154,10 +157,16 @@ def schedule(config: TrainerConfig, total_steps: int) -> optim.Schedule | float:
 
 
 def optimizer(
-    config: TrainerConfig, learning_rate: Any, params: Mapping[str, torch.Tensor], frozen: set[str]
+    config: TrainerConfig,
+    learning_rate: Any,
+    params: Mapping[str, torch.Tensor],
+    frozen: set[str],
+    noise_multiplier: float | None = None,
 ) -> optim.GradientTransformation:
     """The optimizer of ``config.optimizer``, with gradient clipping, frozen parameters and the weight
-    average (``config.ema``).
+    average (``config.ema``); with DP-SGD (``config.dp_l2_norm_clip``), the private aggregate of the
+    per-example gradients before all of it, its noise multiplier ``noise_multiplier``
+    (:func:`dp_noise_multiplier`).
 
     ``optimizer.args`` take functrain's names or torch's (``betas: [0.9, 0.999]``).
 
@@ -182,7 +191,42 @@ def optimizer(
         tx = optim.freeze(tx, {name: name in frozen for name in params})
     if config.max_grad_norm is not None:
         tx = optim.chain(optim.clip_by_global_norm(config.max_grad_norm), tx)
+    if config.dp_l2_norm_clip is not None:
+        if noise_multiplier is None:
+            raise ValueError(
+                "optimizer: DP-SGD (dp_l2_norm_clip) needs its noise_multiplier (dp_noise_multiplier())"
+            )
+        tx = optim.chain(optim.differentially_private_aggregate(config.dp_l2_norm_clip, noise_multiplier), tx)
     return averaging.chain(config, tx)
+
+
+def dp_noise_multiplier(config: TrainerConfig, dataset: Any, steps: int) -> float | None:
+    """DP-SGD's noise multiplier: ``dp_noise_multiplier``, or the one Opacus's accountant finds for
+    ``dp_target_epsilon`` at ``dp_delta`` over ``steps`` batches of ``batch_size`` from ``dataset``;
+    ``None`` without DP-SGD.
+
+    Example:
+        >>> dp_noise_multiplier(TrainerConfig(max_steps=5, dp_l2_norm_clip=1.0, dp_noise_multiplier=1.1), [], 5)
+        1.1
+    """
+    if config.dp_l2_norm_clip is None:
+        return None
+    if config.dp_noise_multiplier is not None:
+        return config.dp_noise_multiplier
+    examples = _length(
+        dataset,
+        "dp_target_epsilon",
+        "needs the training set's length (the sampling rate is batch_size / examples)",
+        "give a map-style dataset, or set dp_noise_multiplier",
+    )
+    try:
+        return optim.privacy.noise_multiplier_for_epsilon(
+            config.dp_target_epsilon, config.dp_delta, min(1.0, config.batch_size / max(examples, 1)), steps
+        )
+    except ImportError as err:
+        raise ConfigError.single(
+            "dp_target_epsilon", str(err), "install it, or set dp_noise_multiplier"
+        ) from err
 
 
 def criterion(config: TrainerConfig) -> Callable[[Any, Any], torch.Tensor]:
@@ -242,6 +286,14 @@ def frozen(config: TrainerConfig, model: nn.Module) -> set[str]:
     return names & set(params)
 
 
+def _length(dataset: Any, field: str, problem: str, fix: str) -> int:
+    """``len(dataset)``, or a ConfigError on ``field`` for a dataset without one (a stream)."""
+    try:
+        return len(dataset)
+    except TypeError:
+        raise ConfigError.single(field, problem, fix) from None
+
+
 def total_steps(config: TrainerConfig, dataset: Any) -> int:
     """The run's optimizer steps: ``max_steps``, or ``epochs`` over ``dataset`` (which must have a length).
 
@@ -251,14 +303,12 @@ def total_steps(config: TrainerConfig, dataset: Any) -> int:
     """
     if config.max_steps is not None:
         return config.max_steps
-    try:
-        n = len(dataset)
-    except TypeError:
-        raise ConfigError.single(
-            "epochs",
-            "the train dataset has no length, so epochs cannot be counted",
-            "set max_steps instead",
-        ) from None
+    n = _length(
+        dataset,
+        "epochs",
+        "the train dataset has no length, so epochs cannot be counted",
+        "set max_steps instead",
+    )
     per_epoch = data.num_batches(
         n,
         config.batch_size * config.gradient_accumulation_steps,
@@ -433,6 +483,8 @@ def steps(
         freeze_batchnorm=config.freeze.batchnorm,
         gradient_reducer=reducer,
         sharding=sharding,
+        per_example=config.dp_l2_norm_clip is not None,
+        sam_rho=config.sam_rho,
     )
     if config.nonfinite != "ignore":  # inside the ensemble's vmap below: each member skips on its own
         train = cbs.skip_nonfinite(train)
@@ -443,19 +495,23 @@ def steps(
     return train, evaluate, predict
 
 
-def compiled(config: TrainerConfig, kind: str, fn: Step) -> CompiledStep:
+def compiled(config: TrainerConfig, kind: str, fn: Step) -> CompiledStep | TieredStep:
     """``fn`` (the ``kind`` ``"train"``/``"eval"``/``"predict"`` step) under :func:`functrain.jit` as the
-    config asks: compiled or eager, donated (training), and torch's portable compile cache in the run
-    directory (opt-in: its files are pickles)."""
+    config asks: compiled, eager or tiered (``compile: auto``: eager first, compiled where it pays;
+    :func:`functrain.compile.tiers.tiered`), donated (training), and torch's portable compile cache in the
+    run directory (opt-in: its files are pickles)."""
     cache_dir = Path(config.output_dir) / COMPILE_CACHE_DIR if config.compile_cache else None
-    return jit(
-        fn,
-        compile=config.compile,
+    options = dict(
         mode=config.compile_mode,
         donate=config.donate and kind == "train",
         dynamic=None if kind != "train" else False,
         cache_dir=cache_dir,
     )
+    if config.compile == "auto":
+        return tiered(fn, **options)
+    from functrain.jit import jit  # dynamo's import (seconds) only where a step compiles
+
+    return jit(fn, compile=config.compile, **options)
 
 
 # eval_strategy/save_strategy -> fit's eval_every/save_every, given eval_steps/save_steps ("auto" is
