@@ -26,7 +26,7 @@ import torch
 import torch._dynamo
 
 from functrain import random
-from functrain.compile import compile_times, wrappers
+from functrain.compile import compile_times, interrupt, wrappers
 from functrain.compile.backend import TORCH_WORKAROUNDS, TorchWorkaround, compile_graph, torch_version
 from functrain.compile.cache import CACHE_SUFFIX, PortableCache
 from functrain.compile.cache_hits import MISS, CacheHits
@@ -176,6 +176,7 @@ class CompiledStep:
         # a Python float it traced symbolically is turned into a tensor; seen with a cold inductor
         # cache) and call the backend again for the same compile: count only a graph that compiled.
         compiled = compile_graph(gm, example_inputs, config)
+        interrupt.compiled()  # the graph runs next: a signal no longer abandons the step
         self.num_compiles = count
         if reason is not None:
             self.compile_reasons.append(reason)
@@ -243,23 +244,33 @@ class CompiledStep:
         if limit < needed:
             dynamo_config.recompile_limit = needed
         started = time.perf_counter()
-        # The model's torch.utils.checkpoint, RNNs and log calls, made traceable (functrain.compile.traceable).
-        with traceable(model, compiled=True):
-            try:
+        try:
+            # The model's torch.utils.checkpoint, RNNs and log calls, made traceable
+            # (functrain.compile.traceable); Ctrl-C ends a compile at once (functrain.compile.interrupt).
+            # A call that may run an existing graph on donated inputs is never abandoned.
+            abandonable = not self.donate or compiles == 0
+            with traceable(model, compiled=True), interrupt.compiling(abandonable=abandonable):
                 out = self._compiled(state, *args, **kwargs)
-            except RecompileError:
-                raise
-            except torch._dynamo.exc.BackendCompilerFailed as e:
-                inner = e.__cause__ or getattr(e, "inner_exception", None)
-                if isinstance(inner, (RecompileError, RematRandomnessError)):
-                    raise inner from None
-                raise
-            except torch._dynamo.exc.Unsupported as e:
-                raise self._explain(e, state, args, kwargs) from e
-            finally:
-                if limit < needed:
-                    dynamo_config.recompile_limit = limit
+        except RecompileError:
+            raise
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            inner = e.__cause__ or getattr(e, "inner_exception", None)
+            if isinstance(inner, (RecompileError, RematRandomnessError)):
+                raise inner from None
+            raise
+        except torch._dynamo.exc.Unsupported as e:
+            raise self._explain(e, state, args, kwargs) from e
+        except interrupt.CompileInterrupted as e:
+            # A handler that finishes the current step before stopping (functrain.callbacks.Preemption)
+            # abandoned the compile: this step runs eagerly.
+            log.warning("%s: compile interrupted by %s; this step runs eagerly", self.__name__, e)
+            with traceable(model, compiled=False):
+                return self._eager(state, *args, **kwargs)
+        finally:
+            if limit < needed:
+                dynamo_config.recompile_limit = limit
         if self.num_compiles != compiles:
+            interrupt.close_compile_workers()  # inductor's workers live only while it compiles
             self._compiled_in(time.perf_counter() - started, misses, key)
         elif compiles and self._cache_hits.missed_on_guards:
             self._lookup_in_traceable = True

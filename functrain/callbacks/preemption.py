@@ -6,13 +6,15 @@ import signal
 from typing import Any
 
 from functrain.callbacks.base import Callback, Context
+from functrain.compile import interrupt
 
 __all__ = ["Preemption"]
 
 
 class Preemption(Callback):
     """On SIGTERM (a scheduler's preemption) or SIGINT (Ctrl-C), finish the current step, save a
-    checkpoint and stop. ``fit`` then returns with ``result.preempted``; run it again with
+    checkpoint and stop. A step that is compiling stops compiling and runs eagerly instead
+    (:mod:`functrain.compile.interrupt`), so the run stops within seconds. ``fit`` then returns with ``result.preempted``; run it again with
     ``resume_from_checkpoint=True`` to continue exactly where it stopped.
 
     The handlers are installed at train begin and the previous ones restored at train end.
@@ -30,6 +32,8 @@ class Preemption(Callback):
         if self.received is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C interrupts at once
         self.received = signum
+        if interrupt.under_way():  # a compile would finish the step in minutes: abandon it now
+            raise interrupt.CompileInterrupted(signum)
 
     def on_train_begin(self, state: Any, ctx: Context) -> Any:
         self.received = None

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from functrain.compile import header_cache
 from functrain.compile.dropout import DROPOUT_CACHE_SALT, cpu_dropout_decompositions, draws_dropout_masks
 from functrain.compile.isa_probe import vec_isa_verified
 
@@ -139,6 +140,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], config: d
     if not _on_cpu(example_inputs):
         return compile_fx(gm, example_inputs, config_patches={**defaults, **config} or None)
     defaults.update(_CPU_DEFAULTS)
+    header_cache.install()  # no g++ -E of inductor's prefix header in every new process
     if vec_isa_verified():  # skips inductor's per-process ISA load check (functrain.compile.isa_probe)
         defaults["cpp.vec_isa_ok"] = True
     # The caller chose how random ops compile (fallback_random), or the graph draws no dropout mask:
