@@ -19,7 +19,14 @@ from torch import nn
 
 from functrain.step.batch import INPUT_KEYS, inputs_and_target
 
-__all__ = ["criterion_argument", "forward_takes_labels", "labels_loss", "output_field", "predict_forward"]
+__all__ = [
+    "criterion_argument",
+    "forward_takes_labels",
+    "labels_loss",
+    "output_field",
+    "predict_forward",
+    "refuse_model_output",
+]
 
 
 def criterion_argument(criterion: Any, loss_fn: Any) -> Any:
@@ -78,6 +85,19 @@ def labels_loss(
     else:
         loss = criterion(logits, batch["labels"])
     return loss, {"preds": logits, "target": batch["labels"]}
+
+
+def refuse_model_output(preds: Any, model_name: str) -> None:
+    """Refuse a Hugging Face model's output (a mapping with ``logits``) met on the ``(inputs, target)``
+    path, where the criterion expects a tensor: the batches are not the dicts with ``labels`` that such a
+    model's loss reads (a ``TensorDataset`` given to a ``BertForSequenceClassification``)."""
+    if isinstance(preds, Mapping) and "logits" in preds:
+        raise TypeError(
+            f"Trainer: {model_name} returned a {type(preds).__name__}, not a tensor, for an (inputs, target) "
+            "batch; give it dict batches with its inputs and 'labels' (e.g. {'input_ids': ..., "
+            "'attention_mask': ..., 'labels': ...}, as a tokenized Hugging Face dataset gives them), or pass "
+            "loss_fn=(model, batch) -> loss"
+        )
 
 
 def predict_forward(model: Callable[..., Any], batch: Any, takes_labels: bool) -> Any:

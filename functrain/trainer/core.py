@@ -138,6 +138,8 @@ class Trainer:
             return batches.labels_loss(model, batch, own, type(self.model).__name__)
         x, y = inputs_and_target(batch)
         preds = model(x)
+        if self.model_takes_labels:
+            batches.refuse_model_output(preds, type(self.model).__name__)
         return self.criterion(preds, y), {"preds": preds, "target": y}
 
     def preprocess(self, batch: Any) -> Any:
