@@ -5,8 +5,10 @@ its message."""
 
 from __future__ import annotations
 
+import copy
 import traceback
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -26,45 +28,36 @@ def per_example_loss(model, batch):
     return F.cross_entropy(model(x), y, reduction="none")  # the mistake: not reduced to a scalar
 
 
-def _error(tmp_path: Path, model: torch.nn.Module, data, *, compile: bool, **kwargs) -> BaseException:
-    config = quiet_config(tmp_path / str(compile), epochs=1, compile=compile)
-    trainer = ft.Trainer(model, config, train_dataset=data, **kwargs)
-    with pytest.raises(Exception) as info:
-        trainer.train()
-    assert all(step.num_compiles == 0 for step in trainer._jitted.values())  # nothing was traced
-    return info.value
-
-
-def _eager_like(error: BaseException) -> None:
-    """Raised as eager raises it: no dynamo exception as its cause, no traced stack in its message."""
+def _errors(tmp_path: Path, model: torch.nn.Module, data: Any, kind: type, **kwargs: Any) -> BaseException:
+    """The error of ``Trainer.train`` with ``compile=True``, checked to be eager's: the same type and message
+    as with ``compile=False``, nothing traced, no dynamo exception as its cause, no traced stack in its
+    message."""
+    errors = {}
+    for compile in (False, True):
+        config = quiet_config(tmp_path / str(compile), epochs=1, compile=compile)
+        trainer = ft.Trainer(copy.deepcopy(model), config, train_dataset=data, **kwargs)
+        with pytest.raises(kind) as info:
+            trainer.train()
+        assert all(step.num_compiles == 0 for step in trainer._jitted.values())
+        errors[compile] = info.value
+    error = errors[True]
+    assert type(error) is type(errors[False]) and str(error) == str(errors[False])
     assert error.__cause__ is None and (error.__suppress_context__ or error.__context__ is None)
     assert "from user code" not in str(error) and len(str(error)) < 400, str(error)[:400]
+    return error
 
 
 @pytest.mark.compile
 def test_an_error_in_the_users_loss_ends_at_their_line_compiled_as_eagerly(tmp_path: Path):
-    data = make_dataset(32)
-    errors = {
-        c: _error(tmp_path, torch.nn.Linear(6, 3), data, compile=c, loss_fn=indexing_loss)
-        for c in (False, True)
-    }
-    assert type(errors[True]) is type(errors[False]) is TypeError
-    assert str(errors[True]) == str(errors[False])
-    _eager_like(errors[True])
-    last = traceback.extract_tb(errors[True].__traceback__)[-1]
+    error = _errors(tmp_path, torch.nn.Linear(6, 3), make_dataset(32), TypeError, loss_fn=indexing_loss)
+    last = traceback.extract_tb(error.__traceback__)[-1]
     assert (last.filename, last.name) == (__file__, "indexing_loss") and 'batch["x"]' in last.line
 
 
 @pytest.mark.compile
 def test_a_non_scalar_loss_is_refused_before_the_trace(tmp_path: Path):
-    data = make_dataset(32)
-    errors = {
-        c: _error(tmp_path, torch.nn.Linear(6, 3), data, compile=c, loss_fn=per_example_loss)
-        for c in (False, True)
-    }
-    assert type(errors[True]) is type(errors[False]) is ValueError
-    assert str(errors[True]) == str(errors[False]) and "the loss must be a 0-d tensor" in str(errors[True])
-    _eager_like(errors[True])
+    error = _errors(tmp_path, torch.nn.Linear(6, 3), make_dataset(32), ValueError, loss_fn=per_example_loss)
+    assert "the loss must be a 0-d tensor" in str(error)
 
 
 @pytest.mark.compile
@@ -72,9 +65,5 @@ def test_a_hf_model_given_a_tensor_dataset_is_told_what_batches_it_needs(tmp_pat
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, 30, (32, 8), generator=g)
     data = torch.utils.data.TensorDataset(ids, ids[:, 0] % 3)
-    errors = {c: _error(tmp_path, tiny_bert(), data, compile=c) for c in (False, True)}
-    assert type(errors[True]) is type(errors[False]) is TypeError
-    assert str(errors[True]) == str(errors[False])
-    message = str(errors[True])
+    message = str(_errors(tmp_path, tiny_bert(), data, TypeError))
     assert "SequenceClassifierOutput" in message and "'labels'" in message and "loss_fn" in message
-    _eager_like(errors[True])
