@@ -24,6 +24,7 @@ __all__ = [
     "forward_takes_labels",
     "labels_loss",
     "output_field",
+    "pad_token_id",
     "predict_forward",
     "refuse_model_output",
 ]
@@ -85,6 +86,17 @@ def labels_loss(
     else:
         loss = criterion(logits, batch["labels"])
     return loss, {"preds": logits, "target": batch["labels"]}
+
+
+def pad_token_id(model: nn.Module) -> int:
+    """The token id a Hugging Face model pads with (``config.pad_token_id``), else 0.
+
+    Example:
+        >>> pad_token_id(torch.nn.Linear(2, 1))
+        0
+    """
+    value = getattr(getattr(model, "config", None), "pad_token_id", None)
+    return value if isinstance(value, int) else 0
 
 
 def refuse_model_output(preds: Any, model_name: str) -> None:

@@ -41,10 +41,12 @@ from functrain.state import TrainState
 from functrain.step import Step, make_eval_step, make_predict_step, make_train_step
 from functrain.trainer import averaging
 from functrain.trainer.run_dir import COMPILE_CACHE_DIR
+from functrain.trainer.short_batch import EagerShortBatches
 
 __all__ = [
     "LOGGERS",
     "Losses",
+    "batch_rows",
     "best_metric",
     "callbacks",
     "compiled",
@@ -277,17 +279,23 @@ def loader(
     device: torch.device,
     collate_fn: Callable[[list[Any]], Any] | None = None,
     pad_last: bool = False,
+    pad_token_id: int = 0,
 ) -> data.Loader:
     """A Loader over ``dataset`` with the config's data settings; ``key`` given: the training order
     (``shuffle``, ``drop_last``), else evaluation's (in order, every example). Each rank reads its slice.
     ``shuffle: auto`` permutes a map-style dataset and reads a stream in its own order; ``shuffle: true``
-    reads a stream through a shuffle buffer of ``shuffle_buffer_size`` examples.
+    reads a stream through a shuffle buffer of ``shuffle_buffer_size`` examples. The batches of a
+    ``collate_fn`` of one's own (which pads to each batch's longest sequence, as Hugging Face's do) are
+    padded further to ``sequence_bucket`` lengths where they have an ``attention_mask``
+    (:mod:`functrain.data.sequences`; the ``input_ids`` with ``pad_token_id``).
 
     Example:
         >>> len(loader(TrainerConfig(max_steps=1), list(range(10)), 4, key=None, device=torch.device("cpu")))
         3
     """
     train = key is not None
+    if config.sequence_bucket is not None and collate_fn is not None:  # a collate of one's own pads to
+        collate_fn = data.SequencePadding(collate_fn, config.sequence_bucket, pad_token_id)  # the longest
     options = {
         "drop_last": config.drop_last if train else False,
         "collate_fn": collate_fn,
@@ -443,19 +451,40 @@ def steps(
     return train, evaluate, predict
 
 
-def compiled(config: TrainerConfig, kind: str, fn: Step) -> CompiledStep:
+def compiled(config: TrainerConfig, kind: str, fn: Step, rows: int | None = None) -> CompiledStep:
     """``fn`` (the ``kind`` ``"train"``/``"eval"``/``"predict"`` step) under :func:`functrain.jit` as the
     config asks: compiled or eager, donated (training), and torch's portable compile cache in the run
-    directory (opt-in: its files are pickles)."""
+    directory (opt-in: its files are pickles). In one process, the train step runs a short last batch
+    eagerly (:class:`~functrain.trainer.short_batch.EagerShortBatches`): one compile, exact, BatchNorm
+    included, for any dataset length (``rows``: a full batch's, :func:`batch_rows`)."""
     cache_dir = Path(config.output_dir) / COMPILE_CACHE_DIR if config.compile_cache else None
-    return jit(
-        fn,
-        compile=config.compile,
-        mode=config.compile_mode,
-        donate=config.donate and kind == "train",
-        dynamic=None if kind != "train" else False,
-        cache_dir=cache_dir,
-    )
+    options: dict[str, Any] = {
+        "compile": config.compile,
+        "mode": config.compile_mode,
+        "donate": config.donate and kind == "train",
+        "dynamic": config.compile_dynamic if kind == "train" else (config.compile_dynamic or None),
+        "cache_dir": cache_dir,
+    }
+    if kind == "train" and rows is not None and not distributed.is_distributed():
+        return EagerShortBatches(fn, rows=rows, **options)
+    return jit(fn, **options)
+
+
+def batch_rows(config: TrainerConfig, dataset: Any) -> int | None:
+    """The examples of a full training batch of ``dataset``: a ``DataLoader``'s own batch size, else
+    ``batch_size * gradient_accumulation_steps``, at most the dataset's length (``None``: unknown).
+
+    Example:
+        >>> batch_rows(TrainerConfig(max_steps=1, batch_size=4), list(range(3)))
+        3
+    """
+    if isinstance(dataset, torch.utils.data.DataLoader):
+        return dataset.batch_size
+    rows = config.batch_size * config.gradient_accumulation_steps
+    try:
+        return max(1, min(rows, len(dataset)))
+    except TypeError:  # a stream without a length
+        return rows
 
 
 # eval_strategy/save_strategy -> fit's eval_every/save_every, given eval_steps/save_steps ("auto" is

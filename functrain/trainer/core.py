@@ -318,7 +318,8 @@ class Trainer:
     def _jit(self, kind: str) -> Any:
         """The ``kind`` step compiled as the config asks (once per trainer)."""
         if kind not in self._jitted:
-            self._jitted[kind] = build.compiled(self.config, kind, self._step(kind))
+            rows = build.batch_rows(self.config, self.train_dataset) if kind == "train" else None
+            self._jitted[kind] = build.compiled(self.config, kind, self._step(kind), rows)
         return self._jitted[kind]
 
     def _loader(self, dataset: Any, batch_size: int, *, train: bool) -> Any:
@@ -326,7 +327,7 @@ class Trainer:
         pad = train and build.pads(self.config, "train", overridden=_overridden(self, "train"))
         return build.loader(
             self.config, dataset, batch_size, key=key, device=self.device, collate_fn=self.data_collator,
-            pad_last=pad,
+            pad_last=pad, pad_token_id=batches.pad_token_id(self.model),
         )  # fmt: skip
 
     def _loggers(self, log_dir: Path) -> list[Any]:
