@@ -22,6 +22,8 @@ call:
                     experiment on cold compile time, not adopted (benchmarks/README.md, run F)
     ft-unfused      ft-cold with AdamW as foreach ops in the graph (``update`` + ``apply_updates``)
                     instead of torch's fused kernel as one opaque op (functrain.optim.fused, run G)
+    ft-tiered       the first tier of ``compile: auto`` (functrain.compile.tiers.tiered): the eager step,
+                    nothing compiled (no loop drives it to a decision): what the first step costs there
 
 ``--against DIR`` also runs ft-cold, ft-warm and ft-trace from another functrain checkout, each right
 after this one's (before/after pairs in one run).
@@ -149,6 +151,16 @@ def _step_fn(variant: str, layers: int, cache_dir: str | None, jit_kwargs: dict)
     x, y = gpt_batch()
     model.train()
     if variant.startswith("ft"):
+        if variant == "ft-tiered":
+            from functrain.compile.tiers import tiered
+
+            box = [ft.TrainState.create(model, ft.optim.adamw(common.LR, weight_decay=common.WEIGHT_DECAY))]
+            tiered_step = tiered(ft.make_train_step(model, ft.supervised_loss(lm_loss)))
+
+            def first_tier() -> None:
+                box[0], _ = tiered_step(box[0], (x, y))
+
+            return first_tier
         if variant == "ft-trace":  # dynamo's trace alone (and functrain's own work in it): no inductor
             state = ft.TrainState.create(model, ft.optim.adamw(common.LR, weight_decay=common.WEIGHT_DECAY))
             traced = torch.compile(

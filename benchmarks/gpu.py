@@ -13,6 +13,7 @@ Variants (all under bf16 autocast with float32 weights, AdamW lr 1e-3, weight de
     compile-model      torch.compile(model), fused AdamW
     compile-loss       torch.compile(model + loss), fused AdamW
     compile-opt        torch.compile(model + loss) and torch.compile(opt.step) (foreach AdamW, compiled)
+    ft-eager           functrain's step uncompiled (jit(compile=False)): the cheap tier (issue #33)
     ft-jit             functrain.jit(make_train_step(..., precision="bf16")): forward, backward, AdamW, one graph
     ft-donate          the same with donate=True
 
@@ -48,7 +49,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common
 
-VARIANTS = ("eager-fused", "compile-model", "compile-loss", "compile-opt", "ft-jit", "ft-donate")
+VARIANTS = ("eager-fused", "compile-model", "compile-loss", "compile-opt", "ft-eager", "ft-jit", "ft-donate")
+EAGER = ("eager-fused", "ft-eager")  # nothing to compile: one run, no compile column
 BASELINES = ("eager-fused", "compile-model", "compile-loss", "compile-opt")
 WORKLOADS = ("gpt2", "resnet50")
 
@@ -193,6 +195,8 @@ def make_variant(name: str, workload: str, quick: bool, device: torch.device, ji
 
         return torch_step
 
+    if name == "ft-eager":
+        jit_kwargs = {**jit_kwargs, "compile": False}
     return common.ft_step_fn(
         model, criterion, (x, y), donate=name == "ft-donate", jit_kwargs=jit_kwargs, precision="bf16"
     )
@@ -263,9 +267,9 @@ def measure(workload: str, variant: str, args: argparse.Namespace) -> dict[str, 
     """Cold then warm run of one variant (one fresh process each); the eager variant runs once."""
     with tempfile.TemporaryDirectory(prefix="functrain-inductor-") as cache:
         cold = run_child(workload, variant, cache, args)
-        warm = run_child(workload, variant, cache, args) if variant != "eager-fused" else None
+        warm = run_child(workload, variant, cache, args) if variant not in EAGER else None
     result = dict(warm or cold, cold_s=cold["compile_s"], warm_s=warm["compile_s"] if warm else None)
-    if variant == "eager-fused":
+    if variant in EAGER:
         result["cold_s"] = None
     return result
 

@@ -26,7 +26,7 @@ import contextlib
 import functools
 import itertools
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -193,24 +193,65 @@ def _modules_of(fn: Any, seen: set[int] | None = None) -> list[nn.Module]:
     if isinstance(owner, nn.Module):
         return _modules_of(owner, seen)
     found = []
-    for name, cell in zip(
-        getattr(getattr(fn, "__code__", None), "co_freevars", ()), getattr(fn, "__closure__", None) or ()
-    ):
+    code = getattr(fn, "__code__", None)
+    cells = getattr(fn, "__closure__", None) or ()
+    for name, cell in zip(getattr(code, "co_freevars", ()), cells):
         try:
             value = cell.cell_contents
         except ValueError:  # an empty cell
             continue
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            # functional_call cannot swap a captured tensor for the state's, and torch.func would give
-            # it a zero gradient without a word.
-            raise TypeError(
-                f"remat({fn!r}): the function's closure holds the tensor {name!r}; a rematerialised "
-                "function must receive its tensors as arguments or read them from modules. Pass it as "
-                "an argument (remat(fn)(x, w)) or keep it in a module."
-            )
-        if isinstance(value, nn.Module) or callable(value):
-            found += _modules_of(value, seen)
+        found += _modules_in(fn, name, value, seen)
+    namespace = getattr(fn, "__globals__", {})
+    for name in _global_names(code):  # a module-level model or list of layers the function reads
+        if name in namespace:
+            found += _modules_in(fn, name, namespace[name], seen)
+    if code is None and not isinstance(fn, type) and hasattr(fn, "__dict__") and _users(fn):  # an object
+        for name, value in vars(fn).items():
+            found += _modules_in(fn, name, value, seen)
     return found
+
+
+def _global_names(code: Any) -> list[str]:
+    """The global names ``code`` and the functions defined in it (lambdas, comprehensions) read."""
+    if code is None:
+        return []
+    names = list(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names += _global_names(const)
+    return names
+
+
+def _modules_in(fn: Any, name: str, value: Any, seen: set[int]) -> list[nn.Module]:
+    """The modules ``value`` (a closure cell's, a global's or an attribute's value) holds: itself, a
+    function's, or those in a list, tuple, dict or set of them. A captured float tensor is refused."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        # functional_call cannot swap a captured tensor for the state's, and torch.func would give
+        # it a zero gradient without a word.
+        raise TypeError(
+            f"remat({fn!r}): the function's closure holds the tensor {name!r}; a rematerialised "
+            "function must receive its tensors as arguments or read them from modules. Pass it as "
+            "an argument (remat(fn)(x, w)) or keep it in a module."
+        )
+    if isinstance(value, list | tuple | set | frozenset | dict):
+        if id(value) in seen:
+            return []
+        seen.add(id(value))
+        items = value.values() if isinstance(value, dict) else value
+        return [m for item in items for m in _modules_in(fn, name, item, seen)]
+    if isinstance(value, nn.Module) or (callable(value) and not isinstance(value, type) and _users(value)):
+        return _modules_of(value, seen)
+    if hasattr(value, "__dict__") and not isinstance(value, type) and _users(value) and id(value) not in seen:
+        seen.add(id(value))  # an object of the user's holding layers as attributes
+        return [m for attr, item in vars(value).items() for m in _modules_in(fn, attr, item, seen)]
+    return []
+
+
+def _users(fn: Any) -> bool:
+    """Whether ``fn`` is the user's code (not torch's, functrain's or the standard library's), whose
+    closure, globals or attributes may hold modules."""
+    module = getattr(fn, "__module__", None) or getattr(type(fn), "__module__", "")
+    return not str(module).startswith(("torch", "functrain", "builtins", "functools", "math", "operator"))
 
 
 def _outermost(modules: list[nn.Module]) -> list[nn.Module]:
@@ -237,9 +278,22 @@ class _Holder(nn.Module):
 class Remat:
     """A function (or module) whose activations are recomputed in the backward pass; see :func:`remat`."""
 
-    def __init__(self, fn: Callable[..., Any], *, preserve_rng_state: bool = True) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        preserve_rng_state: bool = True,
+        modules: Iterable[nn.Module] = (),
+    ) -> None:
         if not callable(fn):
             raise TypeError(f"remat needs a module or a function, got {type(fn).__name__}")
+        modules = list(modules)
+        for i, m in enumerate(modules):
+            if not isinstance(m, nn.Module):
+                raise TypeError(
+                    f"remat({fn!r}, modules=...): modules[{i}] is a {type(m).__name__}, not an nn.Module; "
+                    "pass the modules whose parameters and buffers the function reads"
+                )
         self.fn = fn
         self.preserve_rng_state = preserve_rng_state
         # A partial's bound arguments become inputs (Hugging Face binds a layer's keyword arguments,
@@ -252,7 +306,7 @@ class Remat:
                 (*p.args, *self._args),
                 {**p.keywords, **self._kwargs},
             )
-        self._holder = _Holder(_modules_of(fn))
+        self._holder = _Holder([*modules, *_modules_of(fn)])
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -340,7 +394,7 @@ def _apply(
     return torch_pytree.tree_unflatten(list(out), out_spec[0])
 
 
-def remat(fn: Any, *, preserve_rng_state: bool = True) -> Any:
+def remat(fn: Any, *, preserve_rng_state: bool = True, modules: Iterable[nn.Module] = ()) -> Any:
     """Recompute a module's (or function's) activations in the backward pass instead of keeping them.
 
     Only the block's inputs are kept for the backward pass, which runs the block again: less memory
@@ -357,6 +411,14 @@ def remat(fn: Any, *, preserve_rng_state: bool = True) -> Any:
     Inside a step (``torch.func.functional_call``) those modules' tensors are the state's. The block's
     outputs must be tensors (or tuples/lists/dicts of them).
 
+    Which tensors the block is differentiated with respect to: its tensor arguments and the parameters
+    and buffers of the modules it reads. Those are found from ``fn``: the module itself, a bound
+    method's owner, a partial's function and arguments, and what its closure cells and the globals its
+    code names hold (modules, functions of yours, lists, tuples, dicts and sets of them, attributes of
+    your own objects), followed through the functions found. A module reached another way (through a
+    library's object) is not found, and its tensors would get no gradient: name it in ``modules``,
+    which adds to the ones found.
+
     Randomness: eagerly, the generator state is saved and replayed (``preserve_rng_state``), so dropout
     draws the same masks in the recomputation. Under ``torch.compile`` that replay cannot reach the
     graph, so a block that draws random numbers in a compiled step raises :class:`RematRandomnessError`
@@ -367,12 +429,16 @@ def remat(fn: Any, *, preserve_rng_state: bool = True) -> Any:
         >>> blocks = torch.nn.ModuleList(remat(torch.nn.Linear(8, 8)) for _ in range(4))
         >>> blocks[0](torch.randn(2, 8)).shape
         torch.Size([2, 8])
+        >>> layers = [torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)]  # a list: not searched
+        >>> stack = remat(lambda x: layers[1](layers[0](x).tanh()), modules=layers)
+        >>> stack(torch.randn(2, 8)).shape
+        torch.Size([2, 8])
     """
     if isinstance(fn, nn.Module):
         if not isinstance(fn.__dict__.get("forward"), Remat):
-            fn.forward = Remat(fn.forward, preserve_rng_state=preserve_rng_state)
+            fn.forward = Remat(fn.forward, preserve_rng_state=preserve_rng_state, modules=modules)
         return fn
-    return Remat(fn, preserve_rng_state=preserve_rng_state)
+    return Remat(fn, preserve_rng_state=preserve_rng_state, modules=modules)
 
 
 def checkpoint(

@@ -382,7 +382,8 @@ def cast(tree: PyTree, dtype: torch.dtype, *, floating_only: bool = True) -> PyT
 def global_norm(
     tree: PyTree, norm: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
 ) -> torch.Tensor:
-    """The L2 norm of all tensor leaves taken together (a 0-d float32 tensor), with one foreach kernel.
+    """The L2 norm of all tensor leaves taken together, with one foreach kernel: a 0-d float32 tensor, or
+    float64 where a leaf is float64 (a float64 run's clipping factor keeps its precision).
 
     ``norm`` takes the per-leaf norms (``functrain.optim.NormFn``; default each leaf's own): a sharded
     step's are over all ranks' rows of each leaf.
@@ -395,7 +396,8 @@ def global_norm(
     if not xs:
         return torch.zeros(())
     norms = (foreach.norm if norm is None else norm)(xs)
-    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+    dtype = torch.float64 if any(n.dtype == torch.float64 for n in norms) else torch.float32
+    return torch.linalg.vector_norm(torch.stack([n.to(dtype) for n in norms]))
 
 
 def num_elements(tree: PyTree) -> int:

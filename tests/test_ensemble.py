@@ -329,7 +329,7 @@ def test_compiled_ensemble_is_one_graph_and_matches_eager():
         "functrain.ensemble",
         "functrain.ensemble.stacked",
         "functrain.ensemble.steps",
-        "functrain.logging.members",
+        "functrain.core.member_names",
         "functrain.core.foreach",
     ],
 )

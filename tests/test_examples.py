@@ -34,6 +34,7 @@ def test_every_example_is_listed():
         "04_finetune.py",
         "06_sharded.py",
         "07_hf_finetune.py",
+        "08_tensor_parallel.py",
     ]
 
 
@@ -153,9 +154,8 @@ def test_notebook_executes_headless_and_writes_nothing_beside_it(notebook: str, 
     assert len(shown) == 1
 
 
-@pytest.mark.slow
-def test_sharded_example_under_torchrun_halves_the_state_per_rank(tmp_path: Path):
-    import re
+def _on_two_ranks(tmp_path: Path, script: str, *args: str) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node=2 examples/SCRIPT ARGS`` in ``tmp_path``, checked to exit 0."""
     import socket
 
     with socket.socket() as sock:
@@ -163,12 +163,20 @@ def test_sharded_example_under_torchrun_halves_the_state_per_rank(tmp_path: Path
         port = sock.getsockname()[1]
     env = {**small_env(tmp_path), "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(EXAMPLES.parent), env.get("PYTHONPATH", "")])
-    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}"]
     out = subprocess.run(
-        [*args, str(EXAMPLES / "06_sharded.py"), "--epochs", "2"],
+        [*launch, str(EXAMPLES / script), *args],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
+    return out
+
+
+@pytest.mark.slow
+def test_sharded_example_under_torchrun_halves_the_state_per_rank(tmp_path: Path):
+    import re
+
+    out = _on_two_ranks(tmp_path, "06_sharded.py", "--epochs", "2")
     held = re.findall(r"rank (\d)/2 \(params\): holds (\d+) kB.*?would hold (\d+) kB", out.stdout)
     assert sorted(r for r, _, _ in held) == ["0", "1"], out.stdout
     for _, mine, whole in held:
@@ -177,3 +185,17 @@ def test_sharded_example_under_torchrun_halves_the_state_per_rank(tmp_path: Path
     epoch_line = r"^epoch (\d)/2: train loss [\d.]+ \| eval loss [\d.]+, accuracy [\d.]+$"
     assert re.findall(epoch_line, out.stdout, re.M) == ["1", "2"], out.stdout
     assert re.search(r"accuracy [\d.]+ \(expected with the defaults: ", out.stdout), out.stdout
+
+
+@pytest.mark.slow
+def test_tensor_parallel_example_under_torchrun_splits_the_state_and_gathers_it(tmp_path: Path):
+    import re
+
+    out = _on_two_ranks(tmp_path, "08_tensor_parallel.py")
+    held = re.findall(r"rank (\d)/2: holds \d+ kB of params and optimizer state \(([\d.]+) of", out.stdout)
+    assert sorted(r for r, _ in held) == ["0", "1"], out.stdout
+    assert all(float(share) <= 0.6 for _, share in held), out.stdout  # replicated embeddings, norms, head
+    assert re.search(r"^the gathered weights in a plain nn.Module: loss [\d.]+; saved ", out.stdout, re.M), (
+        out.stdout
+    )
+    assert (tmp_path / "runs" / "08_tensor_parallel" / "final.ckpt").stat().st_size > 0

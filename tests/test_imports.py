@@ -222,7 +222,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "functrain.random",
             "functrain.precision",
             "functrain.metrics",
-            "functrain.logging.members",
         ),
     ),
     ("optim", ("functrain.optim",)),

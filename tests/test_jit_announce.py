@@ -4,13 +4,12 @@ of the same step on this machine (functrain's per-user cache), and a progress ba
 from __future__ import annotations
 
 import logging
-import types
 
 import pytest
 import torch
 
 import functrain as ft
-from functrain.callbacks import ProgressBar
+from functrain.callbacks import Context, ProgressBar
 from functrain.compile import compile_times as _compile_times
 
 ANNOUNCE = "compiling doubled: first call"
@@ -92,15 +91,13 @@ def test_an_unwritable_cache_only_loses_the_estimate(tmp_path, monkeypatch, capl
 
 def test_progress_bar_says_compiling_until_the_first_step_returns():
     bar = ProgressBar(leave=False)
-    ctx = types.SimpleNamespace(max_steps=3, step=0, compiles=0, logs={})
+    ctx = Context(max_steps=3, step=0, compiles=0, logs={})
     bar.on_train_begin(None, ctx)
     assert bar._bar.desc == "compiling"
     bar.on_step_end(None, ctx)
     assert bar._bar.desc == "" and bar._bar.n == 1
     bar.on_train_end(None, ctx)
 
-    bar.on_train_begin(
-        None, types.SimpleNamespace(max_steps=3, step=1, compiles=1, logs={})
-    )  # compiled before
+    bar.on_train_begin(None, Context(max_steps=3, step=1, compiles=1, logs={}))  # compiled before
     assert bar._bar.desc == ""
     bar.on_train_end(None, ctx)

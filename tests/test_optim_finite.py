@@ -41,9 +41,12 @@ def test_skip_not_finite_skips_and_counts() -> None:
     assert torch.isfinite(updates["w"]).all() and not torch.equal(updates["w"], torch.zeros(2))
 
 
-def test_clip_by_global_norm_matches_clip_grad_norm_() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_clip_by_global_norm_matches_clip_grad_norm_(dtype: torch.dtype) -> None:
+    # float64 too: the norm was taken in float32 whatever the leaves, so a float64 run's clipped
+    # gradients were 1e-8 off torch's (the tensor-parallel parity tests met it)
     torch.manual_seed(0)
-    grads = {"a": torch.randn(5, 4) * 3, "b": torch.randn(7)}
+    grads = {"a": torch.randn(5, 4, dtype=dtype) * 3, "b": torch.randn(7, dtype=dtype)}
     for max_norm in (0.5, 1e3):
         tensors = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads.values()]
         for t, g in zip(tensors, grads.values()):

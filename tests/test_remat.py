@@ -285,6 +285,68 @@ def test_function_closing_over_classes_and_modules() -> None:
         assert torch.equal(got[name], expected[name]), name
 
 
+_GLOBAL_LAYER = nn.Linear(8, 8).double()
+
+
+def _global_tanh(x: torch.Tensor) -> torch.Tensor:
+    return _GLOBAL_LAYER(x).tanh()
+
+
+def test_modules_read_through_globals_and_containers_are_found() -> None:
+    # remat found only modules in a function's closure cells: a module-level layer read by a helper
+    # function got a zero gradient without a word (a silently wrong gradient)
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, dtype=torch.float64)
+    params = {k: v.detach() for k, v in _GLOBAL_LAYER.named_parameters()}
+
+    def loss(p: dict, fn: object) -> torch.Tensor:
+        with torch.nn.utils.stateless._reparametrize_module(_GLOBAL_LAYER, p):
+            return fn(x).sum()  # type: ignore[operator]
+
+    expected = torch.func.grad(loss)(params, _global_tanh)
+
+    class Holder:  # an object of one's own holding the layer as an attribute
+        layer = None
+
+    holder = Holder()
+    holder.layer = _GLOBAL_LAYER
+    for fn in (_global_tanh, lambda x: _global_tanh(x), lambda x: holder.layer(x).tanh()):
+        got = torch.func.grad(loss)(params, ft.remat(fn))
+        for name in expected:
+            assert torch.equal(got[name], expected[name]), name
+
+
+def test_modules_reached_another_way_are_named_in_modules() -> None:
+    # A module read through a list in a closure is found (it was not: its params got no gradient);
+    # named in modules=, or as their parent, their gradients are those without remat too.
+    torch.manual_seed(0)
+    outer = nn.ModuleDict({"a": nn.Linear(8, 8), "b": nn.Linear(8, 8)}).double()
+    layers = [outer["a"], outer["b"]]
+
+    def stack(x: torch.Tensor) -> torch.Tensor:
+        return layers[1](layers[0](x).tanh())
+
+    x = torch.randn(2, 8, dtype=torch.float64)
+    params = {k: v.detach() for k, v in outer.named_parameters()}
+
+    def loss(p: dict, fn: object) -> torch.Tensor:
+        with torch.nn.utils.stateless._reparametrize_module(outer, p):
+            return fn(x).sum()  # type: ignore[operator]
+
+    expected = torch.func.grad(loss)(params, stack)
+    for rematerialised in (
+        ft.remat(stack),
+        ft.remat(stack, modules=layers),
+        ft.remat(stack, modules=[outer]),
+    ):
+        got = torch.func.grad(loss)(params, rematerialised)
+        assert expected.keys() == got.keys()
+        for name in expected:
+            assert torch.equal(got[name], expected[name]), name
+    with pytest.raises(TypeError, match=r"modules\[1\] is a list, not an nn.Module"):
+        ft.remat(stack, modules=[outer, layers])
+
+
 class _TwoPaths(nn.Module):
     """A rematerialised function that reads one block by two paths (the block, and its parent)."""
 

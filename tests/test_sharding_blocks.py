@@ -4,6 +4,8 @@ the union batch (``sharding_blocks_worker.py``); and the block selection, in one
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from sharding_worker import Transformer
@@ -69,6 +71,53 @@ def test_one_process_blocks_step_equals_the_plain_step() -> None:
         torch.testing.assert_close(v, plain.state_dict()[k], rtol=0, atol=1e-13)
     eval_step = ft.make_eval_step(model, LOSS)  # outside the train step each block runs its own forward
     assert float(eval_step(plain, batch)["loss"]) == pytest.approx(float(eval_step(state, batch)["loss"]))
+
+
+def _forwards_set(model: nn.Module) -> list[str]:
+    """The modules of ``model`` with a ``forward`` of their own (an instance attribute)."""
+    return [name for name, m in model.named_modules() if "forward" in vars(m)]
+
+
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.compile)])
+def test_a_blocks_step_leaves_the_model_as_it_was(compile: bool) -> None:
+    # Each block's gathering forward is set only while the step's forward and backward run: before,
+    # between and after steps (and once the step is garbage) the model's modules have no forward of
+    # their own, the model runs its own forward, and a forward the user set (ft.remat) is theirs again.
+    torch.manual_seed(0)
+    model = Transformer().double()
+    user_remat = ft.remat(model.encoder.layers[1]).forward
+    x = torch.randint(0, 11, (6, 5))
+    before = model(x)
+    sharding = distributed.fully_shard(blocks="auto")
+    tx = ft.optim.sgd(0.1)
+    step = ft.jit(ft.make_train_step(model, LOSS, sharding=sharding), compile=compile)
+    plain_step = ft.make_train_step(model, LOSS)
+    state, plain = ft.TrainState.create(model, tx, sharding=sharding), ft.TrainState.create(model, tx)
+
+    def left_as_it_was() -> None:
+        assert _forwards_set(model) == ["encoder.layers.1"]
+        assert vars(model.encoder.layers[1])["forward"] is user_remat
+        torch.testing.assert_close(model(x), before, rtol=0, atol=0)
+
+    left_as_it_was()
+    g = torch.Generator().manual_seed(0)
+    data = [
+        (torch.randint(0, 11, (6, 5), generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(2)
+    ]
+    for batch in data:
+        state, m = step(state, batch)
+        plain, pm = plain_step(plain, batch)
+        torch.testing.assert_close(m["loss"], pm["loss"])
+        left_as_it_was()
+    if compile:
+        assert step.num_compiles == 1
+    else:  # a step that fails inside the forward puts the forwards back too
+        with pytest.raises(IndexError):
+            step(state, (torch.full((6, 5), 99), batch[1]))
+        left_as_it_was()
+    del step
+    gc.collect()
+    left_as_it_was()
 
 
 def test_bf16_blocks_compute_in_bf16_and_keep_float32_masters() -> None:

@@ -122,6 +122,8 @@ class Context:
         checkpoint_path: set for ``checkpoint_saved`` / ``checkpoint_restored``.
         compiles: graphs the run's train and eval steps have compiled so far (``CompiledStep.num_compiles``);
             a change tells a timer that the last steps included a compilation.
+        tier: what runs the train step (``"eager"``, ``"inductor"``; ``""``: a plain function), set before
+            ``step_begin``; ``compiling``: whether this step waits for a compile (:mod:`functrain.compile.tiers`).
     """
 
     step: int = 0
@@ -141,6 +143,8 @@ class Context:
     checkpoint_path: str | None = None
     phase: str = "train"
     compiles: int = 0
+    tier: str = ""
+    compiling: bool = False
 
 
 class Callback:

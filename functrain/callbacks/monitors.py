@@ -31,7 +31,7 @@ class LearningRateMonitor(Callback):
 
     def on_step_end(self, state: Any, ctx: Context) -> Any:
         if ctx.logging_step:
-            from functrain.logging.members import expand_members
+            from functrain.core.member_names import expand_members
             from functrain.optim import hyperparams
 
             for name, value in hyperparams(state.opt_state).items():

@@ -127,7 +127,7 @@ class SkippedSteps(Callback):
         return state
 
     def _check(self, ctx: Context) -> None:
-        from functrain.logging.members import expand_members
+        from functrain.core.member_names import expand_members
 
         c = self._counts
         assert c is not None

@@ -24,9 +24,12 @@ def _shown_by_default(key: str) -> bool:
 class ProgressBar(Callback):
     """A ``tqdm.auto`` progress bar over optimizer steps, showing the latest logged loss and metrics.
 
-    The bar only shows values the loop has already logged, so it never syncs the device itself. Until
-    the run's first step returns, while nothing has compiled yet (``ctx.compiles == 0``), it says
-    "compiling" (functrain.jit logs the start, with the last compile's time on this machine).
+    The bar only shows values the loop has already logged, so it never syncs the device itself. It says
+    which tier runs the steps (``ctx.tier``: "eager", "inductor") and, during a step that waits for a
+    compile (``ctx.compiling``), "inductor: compiling" (functrain.jit logs the start, with the last
+    compile's time on this machine). The compile's time counts in neither the bar's rate nor its ETA.
+    A step that is not functrain's (``ctx.tier == ""``) is "compiling" until the run's first step
+    returns, while nothing has compiled yet (``ctx.compiles == 0``).
 
     Example:
         >>> ft.fit(state, step, data, batch_size=32, epochs=1, callbacks=[ProgressBar(leave=False)])
@@ -45,16 +48,20 @@ class ProgressBar(Callback):
         self._bar = tqdm(
             total=ctx.max_steps, initial=ctx.step, leave=self.leave, unit="step", dynamic_ncols=True
         )
-        self._compiling = ctx.compiles == 0  # the first step compiles: say so until it returns
+        # a step that is not functrain's compiles on its first call: say so until it returns
+        self._compiling = not ctx.tier and ctx.compiles == 0
         if self._compiling:
             self._bar.set_description_str("compiling", refresh=True)
+        elif ctx.tier:
+            self._bar.set_description_str(ctx.tier, refresh=True)
         return state
 
     def on_step_end(self, state: Any, ctx: Context) -> Any:
         if self._bar is not None:
             if self._compiling:
                 self._compiling = False
-                self._bar.set_description_str("", refresh=False)
+                self._bar.unpause()  # the compile's time is not the steps': out of the rate and the ETA
+                self._bar.set_description_str(ctx.tier, refresh=False)
             self._bar.update(1)
         return state
 
@@ -73,6 +80,12 @@ class ProgressBar(Callback):
         return state
 
     def on_step_begin(self, state: Any, ctx: Context) -> Any:
+        if self._bar is not None and ctx.tier:
+            if ctx.compiling:
+                self._compiling = True
+                self._bar.set_description_str(f"{ctx.tier}: compiling", refresh=True)
+            elif self._bar.desc != ctx.tier:
+                self._bar.set_description_str(ctx.tier, refresh=False)
         self._refresh(ctx)
         return state
 

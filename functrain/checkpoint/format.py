@@ -38,6 +38,7 @@ import dataclasses
 import math
 import os
 import struct
+import sys
 import time
 import warnings
 import zlib
@@ -163,6 +164,18 @@ class CheckpointHeader:
 # --------------------------------------------------------------------------------------------- write
 
 
+def _refuse_dtensor(t: torch.Tensor, where: str) -> None:
+    """A DTensor's bytes are this rank's part only: writing them under the global shape would corrupt
+    the file (DTensor is loaded only once a program uses it)."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if dtensor is not None and isinstance(t, dtensor):
+        raise CheckpointError(
+            f"{where}: a DTensor (this rank's part of a tensor-parallel state) cannot be saved by one "
+            "process; save tp.gather(state) (whole tensors; every rank calls it) and resume with "
+            "tp.place(restored)"
+        )
+
+
 def _plain_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous CPU tensor, conjugate and negative bits resolved."""
     flat = t.detach().resolve_conj().resolve_neg().reshape(-1)
@@ -278,6 +291,7 @@ def write(
             raise CheckpointError(f"{where}: dtype {t.dtype} cannot be saved; supported: {sorted(_DTYPES)}")
         if t.layout != torch.strided:
             raise CheckpointError(f"{where}: {t.layout} tensors cannot be saved; convert with .to_dense()")
+        _refuse_dtensor(t, where)
         table.append([where, name, list(t.shape), t.numel() * t.element_size()])
     header = {
         "format": FORMAT_VERSION,

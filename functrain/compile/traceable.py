@@ -7,7 +7,9 @@
 - ``logging.Logger`` calls are skipped by dynamo instead of breaking the graph
   (:mod:`functrain.compile.quiet_logging`);
 - ``nn.Transformer``'s causal-mask detection and ``nn.MultiheadAttention``'s inference fast path, which
-  read tensor values to pick a kernel, take torch's reference path (:mod:`functrain.compile.attention_paths`).
+  read tensor values to pick a kernel, take torch's reference path (:mod:`functrain.compile.attention_paths`);
+- a tensor-parallel model's forward takes plain tensors as replicated DTensors
+  (:func:`functrain.distributed.tp_forward.tensor_parallel_forward`; dynamo cannot trace the switch).
 
 Everything is restored when the call returns.
 
@@ -25,6 +27,7 @@ from typing import Any
 from functrain.compile.attention_paths import traceable_attention
 from functrain.compile.quiet_logging import ignored_logging
 from functrain.compile.rnn import functional_rnns
+from functrain.distributed.tp_forward import tensor_parallel_forward
 from functrain.remat import routed_checkpoint
 
 __all__ = ["traceable"]
@@ -39,8 +42,14 @@ def traceable(model: Any, *, compiled: bool = True) -> Iterator[None]:
     calls need no help outside dynamo.
     """
     if not compiled:  # no dynamo: only torch.utils.checkpoint needs routing (torch.func.grad)
-        with routed_checkpoint(model):
+        with routed_checkpoint(model), tensor_parallel_forward(model):
             yield
         return
-    with routed_checkpoint(model), functional_rnns(model), traceable_attention(model), ignored_logging():
+    with (
+        routed_checkpoint(model),
+        functional_rnns(model),
+        traceable_attention(model),
+        ignored_logging(),
+        tensor_parallel_forward(model),
+    ):
         yield

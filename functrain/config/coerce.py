@@ -154,7 +154,10 @@ def _coerce_union(value: Any, members: tuple[Any, ...], path: str) -> Any:
             errors.append(err)
     if len(errors) == 1:
         raise errors[0]
-    raise _wrong(value, " or ".join(describe_type(m) for m in members), path)
+    # a bool member reads as YAML writes it: "true or false or 'auto'"
+    raise _wrong(
+        value, " or ".join("true or false" if m is bool else describe_type(m) for m in members), path
+    )
 
 
 def _coerce_choice(value: Any, choices: tuple[Any, ...], path: str) -> Any:

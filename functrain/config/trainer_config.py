@@ -259,6 +259,37 @@ class TrainerConfig(ConfigSection):
         "(checked when training scalars are logged); null: 10.",
         minimum=1,
     )
+    # -- transforms of the step: DP-SGD, SAM
+    dp_l2_norm_clip: float | None = option(
+        None,
+        doc="DP-SGD: clip each example's gradient to this L2 norm, add Gaussian noise, average "
+        "(ft.optim.differentially_private_aggregate before the optimizer; per-example gradients in the step). "
+        "Needs dp_noise_multiplier or dp_target_epsilon; null: off. The noise is seeded from the operating "
+        "system (secret), not from seed; a resume continues it exactly.",
+        greater_than=0,
+    )
+    dp_noise_multiplier: float | None = option(
+        None, doc="DP-SGD: the noise's standard deviation over dp_l2_norm_clip.", minimum=0
+    )
+    dp_target_epsilon: float | None = option(
+        None,
+        doc="DP-SGD: the epsilon the whole run may spend at dp_delta; the noise multiplier is found by "
+        "Opacus's RDP accountant (pip install functrain[privacy]) from batch_size / the training set's "
+        "length and the run's steps. Instead of dp_noise_multiplier.",
+        greater_than=0,
+    )
+    dp_delta: float = option(
+        1e-5,
+        doc="DP-SGD: the delta of dp_target_epsilon (keep it below 1 / training examples).",
+        greater_than=0,
+        less_than=1,
+    )
+    sam_rho: float | None = option(
+        None,
+        doc="Sharpness-aware minimization: apply the gradient taken at params + sam_rho * g / ||g|| (two "
+        "forward and backward passes per step, one graph); null: off.",
+        greater_than=0,
+    )
     # -- evaluation
     metrics: dict[str, dict[str, Any]] = option(
         default_factory=dict,
@@ -337,7 +368,12 @@ class TrainerConfig(ConfigSection):
     mixed_precision: Literal["no", "bf16", "fp16"] = option(
         "no", doc="Autocast dtype: 'no', 'bf16', or 'fp16' (with loss scaling; needs a GPU)."
     )
-    compile: bool = option(True, doc="Compile train and eval steps with torch.compile(fullgraph=True).")
+    compile: bool | Literal["auto"] = option(
+        "auto",
+        doc="'auto': start on the eager step and compile (torch.compile, one graph) only where the run is "
+        "long enough for it to pay (functrain.compile.tiers); true: always compile, waiting for it; false: "
+        "always eager.",
+    )
     compile_mode: CompileMode | None = option(None, doc="torch.compile mode; null: PyTorch's default.")
     compile_dynamic: bool | None = option(
         False,
@@ -630,6 +666,30 @@ class TrainerConfig(ConfigSection):
                     f"{fix}, or set sharding=none",
                 )
 
+    @rule("dp_l2_norm_clip", "dp_noise_multiplier", "dp_target_epsilon")
+    def _one_dp_noise(self) -> Iterable[Problem]:
+        noise, target = self.dp_noise_multiplier, self.dp_target_epsilon
+        if self.dp_l2_norm_clip is None:
+            for name, value in (("dp_noise_multiplier", noise), ("dp_target_epsilon", target)):
+                if value is not None:
+                    yield Problem(name, "is set but DP-SGD is off", "set dp_l2_norm_clip too, or remove it")
+        elif (noise is None) == (target is None):
+            yield Problem(
+                "dp_l2_norm_clip",
+                "DP-SGD needs exactly one of dp_noise_multiplier and dp_target_epsilon",
+                "set dp_noise_multiplier=1.0 (say), or dp_target_epsilon=8",
+            )
+
+    @rule(
+        "dp_l2_norm_clip", "gradient_accumulation_steps", "sharding", "sweep", "pad_train_batches", "sam_rho"
+    )
+    def _dp_supported(self) -> Iterable[Problem]:
+        if self.dp_l2_norm_clip is None:
+            return
+        for name, (on, why, fix) in _NOT_WITH_DP.items():
+            if on(self):
+                yield Problem(name, f"is not supported with DP-SGD (dp_l2_norm_clip): {why}", fix)
+
     @rule("sharding", "sharding_blocks")
     def _blocks_need_sharded_params(self) -> Iterable[Problem]:
         if self.sharding_blocks is None:
@@ -671,12 +731,42 @@ class TrainerConfig(ConfigSection):
 
 
 # field -> (whether the config uses it, why a sharded state cannot, the fix): what sharding refuses.
+# What DP-SGD's per-example gradient stage refuses (functrain.step.per_example), said in config terms.
+_NOT_WITH_DP: dict[str, tuple[Any, str, str]] = {
+    "gradient_accumulation_steps": (
+        lambda c: c.gradient_accumulation_steps > 1,
+        "the aggregate needs the whole batch's per-example gradients",
+        "raise batch_size instead",
+    ),
+    "sharding": (
+        lambda c: c.sharding != "none",
+        "per-example gradients are not sharded",
+        "set sharding=none",
+    ),
+    "sweep": (
+        lambda c: bool(c.sweep),
+        "an ensemble's per-example gradients are not supported",
+        "remove sweep",
+    ),
+    "pad_train_batches": (
+        lambda c: c.pad_train_batches,
+        "padded rows would count in the batch size",
+        "use drop_last=true instead",
+    ),
+    "sam_rho": (lambda c: c.sam_rho is not None, "SAM's perturbation is not private", "remove sam_rho"),
+}
+
 _NOT_SHARDED: dict[str, tuple[Any, str, str]] = {
     "sweep": (lambda c: bool(c.sweep), "an ensemble's stacked state is not sharded", "remove sweep"),
     "mixed_precision": (
         lambda c: c.mixed_precision == "fp16",
         "fp16's overflow check would be per rank",
         "use mixed_precision=bf16",
+    ),
+    "sam_rho": (
+        lambda c: c.sam_rho is not None,
+        "SAM's perturbation would need the global norm of sharded gradients",
+        "remove sam_rho",
     ),
 }
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from functrain.logging.members import MemberNaming, MetricNaming
+from functrain.core.member_names import MemberNaming, MetricNaming
 
 __all__ = ["is_ensemble", "metric_naming", "size"]
 
@@ -48,7 +48,7 @@ def size(state: Any) -> int:
 
 def metric_naming(state: Any) -> MetricNaming:
     """How the loop names ``state``'s metrics: each member's, the mean, best and worst for an ensemble
-    (:class:`~functrain.logging.members.MemberNaming`), plain scalars for one model.
+    (:class:`~functrain.core.member_names.MemberNaming`), plain scalars for one model.
 
     Example:
         >>> metric_naming(ft.ensemble.create(torch.nn.Linear(2, 1), ft.optim.sgd(0.1), n=3)).shape

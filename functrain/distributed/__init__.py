@@ -42,8 +42,11 @@ What each piece guarantees:
   ``make_train_step(..., sharding=)`` keeps 1/world of every param and optimizer moment per rank (see
   :mod:`functrain.distributed.sharding` and ``DESIGN_FSDP.md``); sharded checkpoints:
   :mod:`functrain.checkpoint.sharded`.
+- **Tensor parallelism**: :func:`tensor_parallel` (a plan of colwise / rowwise layers, params as DTensors;
+  :mod:`functrain.distributed.tensor_parallel`), loaded on first use (DTensor's imports take seconds).
 """
 
+from functrain.core import lazy as _lazy
 from functrain.distributed.env import (
     DistributedEnv,
     DistributedSetupError,
@@ -62,7 +65,17 @@ from functrain.distributed.reduce import all_reduce_metric_state, all_reduce_tre
 from functrain.distributed.replicate import NotReplicatedError, assert_replicated, replicate
 from functrain.distributed.sharding import Sharding, ShardLayout, fully_shard
 
+# DTensor's imports take seconds: the tensor-parallel names load on first use
+_LAZY = {
+    name: "functrain.distributed.tensor_parallel"
+    for name in ("GPT_PLAN", "GPT2_PLAN", "LLAMA_PLAN", "TensorParallel", "tensor_parallel")
+}
+_lazy.install(__name__, _LAZY)
+
 __all__ = [
+    "GPT2_PLAN",
+    "GPT_PLAN",
+    "LLAMA_PLAN",
     "DistributedEnv",
     "DistributedSetupError",
     "GradientReducer",
@@ -70,6 +83,7 @@ __all__ = [
     "NotReplicatedError",
     "ShardLayout",
     "Sharding",
+    "TensorParallel",
     "all_reduce_metric_state",
     "all_reduce_tree",
     "assert_replicated",
@@ -86,5 +100,6 @@ __all__ = [
     "merge_evaluation",
     "rank",
     "replicate",
+    "tensor_parallel",
     "world_size",
 ]

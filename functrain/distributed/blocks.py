@@ -40,16 +40,16 @@ from torch import nn
 from functrain.core.variables import model_variables
 from functrain.distributed.block_spec import Blocks, block_names
 from functrain.distributed.sharding import Sharding, ShardLayout
-from functrain.remat import Remat, _Holder
+from functrain.remat import Remat
 
 __all__ = ["GatheredBlocks"]
 
 
 class GatheredBlocks:
     """The blocks of one model, each with a forward that gathers its params (see the module doc);
-    made once by the sharded step. Each block's ``forward`` becomes a dispatcher that runs the gathering
-    forward within ``active()`` (a step's forward and backward) and the block's own forward otherwise
-    (evaluation, another step).
+    made once by the sharded step. Within ``active()`` (a step's forward and backward) each block's
+    ``forward`` is its gathering forward; outside it (evaluation, another step, after the step) the
+    model is as it was: nothing is left set on it.
 
     Example:
         >>> import torch
@@ -71,19 +71,18 @@ class GatheredBlocks:
                     "the module holding both the block, or leave them out of the blocks"
                 )
         self.params = frozenset(owner)
-        self.on = False  # True while a step's forward and backward run (``active()``)
         layout = ShardLayout(sharding, tuple((n, tuple(p.shape)) for n, p in params.items()))
-        for b in self.names:
-            module = model.get_submodule(b)
-            forward = module.__dict__.get("forward")
-            if not isinstance(forward, _BlockForward):
-                forward = module.forward = _BlockForward(module.forward)
-            forward.routes.append((self, self._gathered_forward(module, b, layout, forward.inner)))
+        # (block, its gathering forward): set as the block's ``forward`` within ``active()`` only
+        self.forwards: tuple[tuple[nn.Module, Remat], ...] = tuple(
+            (module, self._gathered_forward(module, b, layout))
+            for b in self.names
+            for module in [model.get_submodule(b)]
+        )
 
     def __bool__(self) -> bool:
         return bool(self.names)
 
-    def _gathered_forward(self, module: nn.Module, block: str, layout: Any, inner: Any) -> Any:
+    def _gathered_forward(self, module: nn.Module, block: str, layout: ShardLayout) -> Remat:
         """``module``'s forward, rematerialised, on its params all-gathered from the shards the step
         put in its slots."""
         for sub in module.modules():
@@ -92,36 +91,13 @@ class GatheredBlocks:
                     f"fully_shard(blocks=...): the block {block!r} holds a BatchNorm, whose statistics its "
                     "recomputation would update twice: leave it outside the blocks"
                 )
-        slots = [
-            (sub, attr, f"{block}.{prefix}.{attr}" if prefix else f"{block}.{attr}")
-            for prefix, sub in module.named_modules(remove_duplicate=False)
-            for attr in sub._parameters
-        ]
-        slots = [(sub, attr, name) for sub, attr, name in slots if name in self.params]
-        shapes = {name: layout.global_shape(name) for _, _, name in slots}
-        inner = inner.fn if isinstance(inner, Remat) else inner  # already ft.remat'ed: recompute once
-        dtype = layout.request.param_dtype
-        holder = _Holder([module])  # functional_call of the block's own forward (not this one)
-        local = {name: "held.0." + name[len(block) + 1 :] for _, _, name in slots}
+        # remat differentiates with respect to the tensors of the block: its shards
+        return Remat(_Gathering(module, block, layout, self.params), modules=[module])
 
-        def gathered_forward(*args: Any, **kwargs: Any) -> Any:
-            # the slots hold this rank's shards (put there by the step's bind, or by remat's recompute);
-            # functional_call puts the gathered params in for the call (dynamo refuses a plain
-            # assignment to the slots inside the rematerialised block)
-            shards = {name: sub._parameters[attr] for sub, attr, name in slots}
-            full = layout.gather(shards, shapes=shapes, differentiable=True)
-            tensors = {local[n]: t if dtype is None else t.to(dtype) for n, t in full.items()}
-            return torch.func.functional_call(holder, tensors, (inner, args, kwargs), strict=False)
-
-        wrapper = Remat(gathered_forward)
-        if not any(m is module for m in wrapper._holder.held):  # inner was not the module's own method
-            wrapper._holder = _Holder([module, *wrapper._holder.held])
-        # remat differentiates with respect to the tensors of the modules it holds: the block's shards
-        return wrapper
-
-    def active(self) -> _Switch:
-        """A context in which every block's forward gathers its params."""
-        return _Switch(self)
+    def active(self) -> _Forwards:
+        """A context in which every block's forward gathers its params; on exit each block's
+        ``forward`` is put back as it was (the class's, or one the user set, such as ``ft.remat``'s)."""
+        return _Forwards(self.forwards)
 
     def split(self, params: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """``(the blocks' params, the others)``."""
@@ -129,29 +105,74 @@ class GatheredBlocks:
         return inside, {k: v for k, v in params.items() if k not in self.params}
 
 
-class _BlockForward:
-    """A block's ``forward`` (set on the module by the sharded step): its own forward, or, while a
-    step's :class:`GatheredBlocks` is on, that step's gathering forward."""
+class _Gathering:
+    """A block's gathering forward (before remat): all-gather the shards in the block's slots, run the
+    block's own forward on the full params."""
 
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.routes: list[tuple[GatheredBlocks, Any]] = []
+    def __init__(self, module: nn.Module, block: str, layout: ShardLayout, params: frozenset[str]) -> None:
+        slots = [
+            (sub, attr, f"{block}.{prefix}.{attr}" if prefix else f"{block}.{attr}")
+            for prefix, sub in module.named_modules(remove_duplicate=False)
+            for attr in sub._parameters
+        ]
+        self.slots = [(sub, attr, name) for sub, attr, name in slots if name in params]
+        self.shapes = {name: layout.global_shape(name) for _, _, name in self.slots}
+        self.layout = layout
+        self.dtype = layout.request.param_dtype
+        self.own = _OwnForward(module)
+        self.local = {name: "block." + name[len(block) + 1 :] for _, _, name in self.slots}
+        self.block = block
+
+    def __repr__(self) -> str:  # in remat's messages: remat(<the block ...>)
+        return f"<the block {self.block!r}, its params gathered (fully_shard(blocks=...))>"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        for blocks, gathered in self.routes:
-            if blocks.on:
-                return gathered(*args, **kwargs)
-        return self.inner(*args, **kwargs)
+        # the slots hold this rank's shards (put there by the step's bind, or by remat's recompute);
+        # functional_call puts the gathered params in for the call (dynamo refuses a plain assignment
+        # to the slots inside the rematerialised block)
+        shards = {name: sub._parameters[attr] for sub, attr, name in self.slots}
+        full = self.layout.gather(shards, shapes=self.shapes, differentiable=True)
+        dtype = self.dtype
+        tensors = {self.local[n]: t if dtype is None else t.to(dtype) for n, t in full.items()}
+        return torch.func.functional_call(self.own, tensors, args, kwargs, strict=False)
 
 
-class _Switch:
-    """Turns a :class:`GatheredBlocks` on for a block of code (plain code: dynamo traces it)."""
+class _OwnForward(nn.Module):
+    """A block (as ``.block``) run by its own forward, not the gathering one ``active()`` sets on it:
+    what ``functional_call`` runs on the gathered params."""
 
-    def __init__(self, blocks: GatheredBlocks) -> None:
-        self.blocks = blocks
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.block = module
+        forward = module.forward
+        # already ft.remat'ed: recompute once (the gathering forward is rematerialised)
+        self.run = forward.fn if isinstance(forward, Remat) else forward
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run(*args, **kwargs)
+
+
+class _Forwards:
+    """Sets each block's ``forward`` for a block of code and puts back exactly what was there (nothing,
+    unless the user set one). Plain code that dynamo traces inside the step; written through the
+    instance ``__dict__``, whose entries dynamo tracks one by one: one added and removed within the
+    step leaves nothing to replay after the graph (a ``setattr``/``delattr`` pair would replay the
+    ``delattr``, on a module without the attribute)."""
+
+    def __init__(self, forwards: tuple[tuple[nn.Module, Remat], ...]) -> None:
+        self.forwards = forwards
+        self.saved: list[tuple[dict[str, Any], Any]] = []
 
     def __enter__(self) -> None:
-        self.blocks.on = True
+        for module, gathered in self.forwards:
+            own = module.__dict__
+            self.saved.append((own, own.get("forward")))
+            own["forward"] = gathered
 
     def __exit__(self, *exc: Any) -> None:
-        self.blocks.on = False
+        for own, old in reversed(self.saved):
+            if old is None:
+                del own["forward"]
+            else:
+                own["forward"] = old
+        self.saved = []

@@ -14,11 +14,11 @@ A strategy answers, for the stages of :func:`functrain.make_train_step`:
 - ``opt_params(state)`` and ``params_at_rest(state, params)``: the rows the optimizer updates, and the
   updated rows as the state keeps them.
 
-Three strategies: :class:`Replicated` (one process, or an ensemble's members under vmap, which needs
+Four strategies: :class:`Replicated` (one process, or an ensemble's members under vmap, which needs
 nothing more: ``functrain.core.foreach`` sees vmap's batched tensors), :class:`DataParallel` (replicated
 params, the gradient all-reduce of :class:`~functrain.distributed.GradientReducer`) and
-``functrain.distributed.sharded_step.ShardedStep`` (ZeRO-1/2/3, with or without blocks). Tensor
-parallelism would be one more.
+``functrain.distributed.sharded_step.ShardedStep`` (ZeRO-1/2/3, with or without blocks) and
+``functrain.distributed.tensor_parallel.TensorParallel`` (params as DTensors split by a plan).
 
 Example:
     >>> import torch

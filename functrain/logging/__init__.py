@@ -22,7 +22,7 @@ _lazy.install(
         "CSVWriter": "functrain.logging.csv_writer",
         **dict.fromkeys(("History", "to_floats"), "functrain.logging.history"),
         **dict.fromkeys(("JSONLWriter", "read_jsonl"), "functrain.logging.jsonl"),
-        "expand_members": "functrain.logging.members",
+        "expand_members": "functrain.core.member_names",
         **dict.fromkeys(("find_metrics", "plot_run"), "functrain.logging.plot"),
         "MLflowWriter": "functrain.logging.mlflow",
         "TensorBoardWriter": "functrain.logging.tensorboard",
@@ -32,11 +32,11 @@ _lazy.install(
 )
 
 if TYPE_CHECKING:
+    from functrain.core.member_names import expand_members
     from functrain.logging.console import ConsoleWriter
     from functrain.logging.csv_writer import CSVWriter
     from functrain.logging.history import History, to_floats
     from functrain.logging.jsonl import JSONLWriter, read_jsonl
-    from functrain.logging.members import expand_members
     from functrain.logging.mlflow import MLflowWriter
     from functrain.logging.plot import find_metrics, plot_run
     from functrain.logging.tensorboard import TensorBoardWriter

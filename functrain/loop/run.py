@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from functrain import distributed
 from functrain.callbacks.base import Callback, Context
 from functrain.checkpoint.onto import restore_onto
+from functrain.compile.tiers import TieredStep, TierPlan
 from functrain.data import DataPosition, Loader
 from functrain.ensemble.stacked import run_step
 from functrain.logging import History
@@ -156,6 +157,7 @@ class Run:
     ctx: Context
     restored_path: str | None  # the checkpoint this call resumed from
     compiled: tuple[Any, ...]  # the compiled steps (train, eval): Context.compiles counts their graphs
+    tiers: TieredStep | None  # a tiered train step: asked for its tier at each step boundary
     _batches: Generator[Any, None, None] | None = None
 
     # ------------------------------------------------------------------------------ start: open and resume
@@ -190,6 +192,12 @@ class Run:
             window = Window.from_json(saved["window"], state.params, naming)
             finished = str(saved.get("finished", "")) or None
             services.data.restore(saved, position)
+        tiers = train_step if isinstance(train_step, TieredStep) else None
+        if tiers is not None:
+            if found is not None:  # the interrupted run's decision, replayed (none yet: decided again)
+                tiers.restore(TierPlan.from_json(str(found[1]["loop"].get("tiers", ""))))
+            if isinstance(options.eval_step, TieredStep):
+                options.eval_step.follow(tiers)
         progress = _progress(state, services, options, position, finished, restored_path is not None)
         ctx = Context(
             step=progress.step,
@@ -199,10 +207,20 @@ class Run:
             history=history,
         )
         jit = sys.modules.get("functrain.jit")  # loaded wherever a step is a CompiledStep
-        kind = jit.CompiledStep if jit is not None else ()
+        kind = (TieredStep, jit.CompiledStep) if jit is not None else TieredStep
         compiled = tuple(s for s in (train_step, options.eval_step) if isinstance(s, kind))
         run = cls(
-            train_step, spec, options, services, progress, history, window, ctx, restored_path, compiled
+            train_step,
+            spec,
+            options,
+            services,
+            progress,
+            history,
+            window,
+            ctx,
+            restored_path,
+            compiled,
+            tiers,
         )
         return run, run._begin(state)
 
@@ -220,6 +238,7 @@ class Run:
         for lg in self.services.loggers:
             lg.resume_from(step if path is not None else None)
         self.ctx.compiles = self.compiles()  # steps compiled by an earlier fit count as compiled already
+        self.ctx.tier, self.ctx.compiling = self._tier()  # for train_begin (a bar's first words)
         state = self.services.events("train_begin", state, self.ctx)
         if path is not None:
             self.ctx.checkpoint_path = path
@@ -275,9 +294,20 @@ class Run:
             state = events("epoch_begin", state, ctx)
         ctx.batch = batch
         self.services.data.saw(batch)
+        ctx.tier, ctx.compiling = self._tier()
         state = events("step_begin", state, ctx)
         ctx.previous_state = None if self.donated else state
         return state
+
+    def _tier(self) -> tuple[str, bool]:
+        """What takes the next step (a tiered step decides here, at the boundary) and whether it compiles."""
+        step = self.train_step
+        if self.tiers is not None:
+            tier = self.tiers.at_step(self.progress.step, self.progress.total)
+            return tier, self.tiers.compiling
+        if self.compiled and self.compiled[0] is step:
+            return ("inductor", step.num_compiles == 0) if step.compile else ("eager", False)
+        return "", False
 
     def after_step(self, state: Any, metrics: Any) -> Any:
         """Count the step, fire ``step_end``, then log, end the epoch, evaluate and save when due."""
@@ -365,6 +395,7 @@ class Run:
             history=json.dumps(self.history.as_dict()),
             window=self.window.to_json(),
             finished=progress.finished or "",
+            tiers=self.tiers.plan.to_json() if self.tiers is not None else "",
             **services.data.fields(progress.position),
         )
         tied = getattr(state, "tied", ())

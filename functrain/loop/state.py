@@ -24,7 +24,9 @@ class LoopState:
     started from; for a stream, by rank (:mod:`functrain.loop.data_resume`): ``data_states``, its
     ``state_dict()`` at ``position`` (a torchdata ``StatefulDataLoader``, a Hugging Face streaming dataset),
     or ``None``, and then ``batch_fingerprints``, the digest of the last batch trained on, which a resume
-    compares with the replayed stream's.
+    compares with the replayed stream's. ``tiers``: a tiered train step's decision
+    (:class:`functrain.compile.tiers.TierPlan` as JSON; ``""``: none yet, or not tiered), so a resume runs
+    each step on the tier the interrupted run chose.
     """
 
     position: DataPosition
@@ -35,6 +37,7 @@ class LoopState:
     data_key: Any = None
     data_states: list[Any] | None = None
     batch_fingerprints: list[str] | None = None
+    tiers: str = ""
 
 
 class RunFinishedWarning(UserWarning):

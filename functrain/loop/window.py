@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from functrain.logging.members import MetricNaming
+from functrain.core.member_names import MetricNaming
 from functrain.loop.data import scalar_dict
 
 __all__ = ["Window"]

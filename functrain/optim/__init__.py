@@ -22,7 +22,8 @@ Modules: ``base`` (the pair, ``chain``, ``apply_updates``, ``apply_gradients``),
 building blocks), ``fused`` (Adam's fused kernel), ``clipping``, ``schedules``, ``hyperparams``,
 ``masking`` (``multi_transform``, ``masked``, ``freeze``), ``selection`` (masks and labels by parameter
 name or module index), ``finite`` (``skip_not_finite``), ``aliases`` (``sgd``, ``adam``, ``adamw``,
-``rmsprop``, ``adagrad``, ``lion``, ``lamb``), ``averaging`` (``ema``, ``swa``: ``ft.optim.averaging.ema(0.999)``
+``rmsprop``, ``adagrad``, ``lion``, ``lamb``), ``privacy`` (``differentially_private_aggregate``,
+``dpsgd``: per-example gradients in), ``lookahead``, ``averaging`` (``ema``, ``swa``: ``ft.optim.averaging.ema(0.999)``
 chained last).
 """
 
@@ -45,6 +46,7 @@ from functrain.optim.base import (
 from functrain.optim.clipping import clip, clip_by_global_norm
 from functrain.optim.finite import SkipNotFiniteState, all_finite, skip_not_finite
 from functrain.optim.hyperparams import hyperparam_field, hyperparams, set_hyperparams
+from functrain.optim.lookahead import LookaheadState, lookahead
 from functrain.optim.masking import (
     FreezeState,
     MaskedState,
@@ -52,6 +54,12 @@ from functrain.optim.masking import (
     freeze,
     masked,
     multi_transform,
+)
+from functrain.optim.privacy import (
+    DifferentiallyPrivateAggregateState,
+    differentially_private_aggregate,
+    dpsgd,
+    per_example_global_norm_clip,
 )
 from functrain.optim.schedules import (
     constant_schedule,
@@ -94,10 +102,12 @@ from functrain.optim.transforms import (
 
 __all__ = [
     "AddDecayedWeightsState",
+    "DifferentiallyPrivateAggregateState",
     "EmptyState",
     "FreezeState",
     "GradientTransformation",
     "LearningRateState",
+    "LookaheadState",
     "MaskedState",
     "MultiTransformState",
     "NormFn",
@@ -126,6 +136,8 @@ __all__ = [
     "clip_by_global_norm",
     "constant_schedule",
     "cosine_decay_schedule",
+    "differentially_private_aggregate",
+    "dpsgd",
     "exponential_decay",
     "freeze",
     "hyperparam_field",
@@ -136,12 +148,14 @@ __all__ = [
     "lamb",
     "linear_schedule",
     "lion",
+    "lookahead",
     "mask_by_name",
     "masked",
     "multi_transform",
     "names_by_module_index",
     "one_cycle_schedule",
     "param_names",
+    "per_example_global_norm_clip",
     "piecewise_constant_schedule",
     "polynomial_schedule",
     "rmsprop",

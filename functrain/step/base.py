@@ -93,7 +93,7 @@ class Step:
 
     def naming(self, state: Any) -> Any:
         """How this step's metrics on ``state`` are named in the logs
-        (:class:`functrain.logging.members.MetricNaming`): the ensemble supplies its per-member naming."""
+        (:class:`functrain.core.member_names.MetricNaming`): the ensemble supplies its per-member naming."""
         return metric_naming(state)
 
 

@@ -40,6 +40,8 @@ from functrain.step.batch import (
     split_batch,
 )
 from functrain.step.bind import ApplyFn, autocast, checkpoint_routing, device_of, mode_setter, model_call
+from functrain.step.per_example import check_per_example, per_example_chunk, per_example_loss_and_grad
+from functrain.step.sam import check_sam_rho, sam_loss_and_grad
 
 __all__ = ["make_train_step"]
 
@@ -55,6 +57,8 @@ def make_train_step(
     gradient_reducer: Callable[..., Any] | None = None,
     sharding: Any = None,
     strategy: Replicated | None = None,
+    per_example: bool | int = False,
+    sam_rho: float | None = None,
 ) -> Step:
     """Build a pure ``train_step(state, batch) -> (new_state, metrics)`` (a :class:`Step`).
 
@@ -82,6 +86,11 @@ def make_train_step(
             all norms are global (``functrain.distributed.sharded_step``). Replaces ``gradient_reducer``.
         strategy: a parallel strategy of one's own (:mod:`functrain.distributed.strategy`), instead of
             the one ``gradient_reducer`` / ``sharding`` make.
+        per_example: the gradient stage gives the optimizer every example's gradient (each leaf
+            ``(B, *param.shape)``), for a transformation that aggregates them (``ft.optim.dpsgd``);
+            ``per_example=N`` computes ``N`` examples at a time (:mod:`functrain.step.per_example`).
+        sam_rho: sharpness-aware minimization: the optimizer applies the gradient taken at
+            ``params + sam_rho * g / ||g||`` (:mod:`functrain.step.sam`).
 
     A padded batch (a :class:`~functrain.data.MaskedBatch`, ``Loader(..., pad_last=True)``) keeps the
     compiled shape for a short last batch: its masked rows weigh zero in the loss, the gradient, the
@@ -104,21 +113,26 @@ def make_train_step(
         raise ValueError("make_train_step: pass strategy=, or sharding= / gradient_reducer=, not both")
     cast = autocast_dtype(precision)
     bind = model_call(model)
+    strategy = strategy or _strategy(model, sharding, gradient_reducer, cast)
+    if per_example:
+        check_per_example(
+            model, accumulate=accumulate, freeze_batchnorm=freeze_batchnorm, parallel=_parallel(strategy)
+        )
     parts = _TrainParts(
         loss_fn=loss_fn,
         accumulate=accumulate,
         cast=cast,
         metrics=metrics,
         freeze_batchnorm=freeze_batchnorm,
-        strategy=strategy or _strategy(model, sharding, gradient_reducer, cast),
+        strategy=strategy,
         expected=expected_names(model if isinstance(model, nn.Module) else None),
         batch_statistics=not freeze_batchnorm and _has_batchnorm(model),
         routing=model,
         bind=bind,
         set_mode=mode_setter(model),
-        grad_fn=_loss_and_grad(loss_fn, bind, cast),
+        grad_fn=_gradient_stage(loss_fn, bind, cast, strategy, per_example, sam_rho),
+        per_example=bool(per_example),
     )
-    strategy = parts.strategy
 
     def settle(state: Any, batch: Batch) -> None:
         _settle(parts, state, batch)
@@ -156,6 +170,37 @@ class _TrainParts:
     bind: Callable[[dict, dict], Callable[..., Any]]
     set_mode: Callable[[bool, bool], None]
     grad_fn: Callable[..., Any]
+    per_example: bool  # grads have a leading batch axis (functrain.step.per_example)
+
+
+def _gradient_stage(
+    loss_fn: LossFn,
+    bind: Callable[..., Any],
+    cast: torch.dtype | None,
+    strategy: Replicated,
+    per_example: bool | int,
+    sam_rho: float | None,
+) -> Callable[..., Any]:
+    """The micro-batch's gradient function: the batch's (:func:`_loss_and_grad`) or every example's
+    (:mod:`functrain.step.per_example`), taken at SAM's perturbed params with ``sam_rho``."""
+    sam_rho = check_sam_rho(sam_rho)
+    if per_example:
+        grad_fn = per_example_loss_and_grad(loss_fn, bind, cast, per_example_chunk(per_example))
+    else:
+        grad_fn = _loss_and_grad(loss_fn, bind, cast)
+    if sam_rho is None:
+        return grad_fn
+    if per_example:
+        raise ValueError(
+            "make_train_step: sam_rho with per_example: SAM perturbs the params by the whole batch's "
+            "gradient, so no example's gradient would be its own (nor private); use one of them"
+        )
+    if isinstance(strategy, ShardedStep):
+        raise ValueError(
+            "make_train_step: sam_rho with sharding= (ZeRO): the perturbation would need the global "
+            "gradient norm of sharded rows; use SAM with data parallelism (gradient_reducer=) or one process"
+        )
+    return sam_loss_and_grad(grad_fn, sam_rho)
 
 
 def _has_batchnorm(model: nn.Module | ApplyFn) -> bool:
@@ -214,7 +259,9 @@ def _train_step(
     grads, loss_scale, finite = _unscale(grads, state.loss_scale)
     # A donated state (jit(..., donate=True)) is overwritten anyway: unless an overflow may need the
     # old values, the optimizer may write into its tensors (Adam's fused kernel does).
-    params, opt_state, grad_norm = _update(state, grads, strategy, in_place=donated and finite is None)
+    params, opt_state, grad_norm = _update(
+        state, grads, strategy, in_place=donated and finite is None, per_example=parts.per_example
+    )
     if finite is not None:  # an overflow skips the whole update
         params, opt_state = tree.keep_where(finite, (params, opt_state), (state.params, state.opt_state))
     metric_state = state.metrics
@@ -322,11 +369,41 @@ def _unscale(grads: Any, loss_scale: Any) -> tuple[Any, Any, torch.Tensor | None
     return grads, loss_scale.adjust(finite), finite
 
 
-def _update(state: Any, grads: Any, strategy: Replicated, *, in_place: bool) -> tuple[Any, Any, torch.Tensor]:
+def _update(
+    state: Any, grads: Any, strategy: Replicated, *, in_place: bool, per_example: bool = False
+) -> tuple[Any, Any, torch.Tensor]:
     """The optimizer step on this process's rows, with the strategy's norms: new params (as the state
-    keeps them), new optimizer state, and the gradients' global norm before clipping."""
+    keeps them), new optimizer state, and the gradients' global norm before clipping (per-example
+    gradients: their batch mean's)."""
+    old = strategy.opt_params(state)
     params, opt_state = apply_gradients(
-        state.tx, grads, state.opt_state, strategy.opt_params(state), norm=strategy.norm, in_place=in_place
+        state.tx, grads, state.opt_state, old, norm=strategy.norm, in_place=in_place
     )
-    grad_norm = tree.global_norm(grads, strategy.norm)
+    if per_example:
+        _check_shapes(params, old)
+    grad_norm = tree.global_norm(
+        tree.map(lambda g: g.mean(0), grads) if per_example else grads, strategy.norm
+    )
     return strategy.params_at_rest(state, params), opt_state, grad_norm
+
+
+def _check_shapes(new: Any, old: Any) -> None:
+    """The update kept every param's shape (per-example gradients given to an optimizer that does not
+    aggregate them broadcast the params to ``(B, ...)``)."""
+    for i, (a, b) in enumerate(zip(tree.leaves(new), tree.leaves(old))):
+        if a.shape != b.shape:
+            raise ValueError(
+                f"train step: the optimizer turned param {tree.paths(new)[i]} of shape {tuple(b.shape)} into "
+                f"{tuple(a.shape)}. With make_train_step(..., per_example=True) the optimizer gets "
+                "per-example gradients and must aggregate them first: ft.optim.dpsgd(...) or "
+                "chain(ft.optim.differentially_private_aggregate(...), ...)"
+            )
+
+
+def _parallel(strategy: Replicated) -> str | None:
+    """What the strategy runs over more than one process, named for a refusal (``None``: one process)."""
+    if isinstance(strategy, ShardedStep):
+        return "sharding= (ZeRO)"
+    if type(strategy) is not Replicated:
+        return f"the parallel strategy {type(strategy).__name__}"
+    return None

@@ -20,7 +20,7 @@ import inspect
 import math
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple, get_args
+from typing import TYPE_CHECKING, Any, NamedTuple, get_args
 
 import torch
 from torch import nn
@@ -30,18 +30,20 @@ from functrain import checkpoint, data, distributed, ensemble, optim
 from functrain import logging as ftlog
 from functrain import metrics as ftmetrics
 from functrain.checkpoint.sharded import ShardedCheckpointManager
+from functrain.compile.tiers import TieredStep, tiered
 from functrain.config import ConfigError, TrainerConfig
 from functrain.config.schedules import SCHEDULES
 from functrain.config.section import type_hints
 from functrain.distributed.block_spec import unknown_block_names
 from functrain.distributed.sharding import local_rows
-from functrain.jit import CompiledStep, jit
 from functrain.precision import LossScale
 from functrain.state import TrainState
 from functrain.step import Step, make_eval_step, make_predict_step, make_train_step
 from functrain.trainer import averaging
 from functrain.trainer.run_dir import COMPILE_CACHE_DIR
-from functrain.trainer.short_batch import EagerShortBatches
+
+if TYPE_CHECKING:
+    from functrain.jit import CompiledStep
 
 __all__ = [
     "LOGGERS",
@@ -156,10 +158,16 @@ def schedule(config: TrainerConfig, total_steps: int) -> optim.Schedule | float:
 
 
 def optimizer(
-    config: TrainerConfig, learning_rate: Any, params: Mapping[str, torch.Tensor], frozen: set[str]
+    config: TrainerConfig,
+    learning_rate: Any,
+    params: Mapping[str, torch.Tensor],
+    frozen: set[str],
+    noise_multiplier: float | None = None,
 ) -> optim.GradientTransformation:
     """The optimizer of ``config.optimizer``, with gradient clipping, frozen parameters and the weight
-    average (``config.ema``).
+    average (``config.ema``); with DP-SGD (``config.dp_l2_norm_clip``), the private aggregate of the
+    per-example gradients before all of it, its noise multiplier ``noise_multiplier``
+    (:func:`dp_noise_multiplier`).
 
     ``optimizer.args`` take functrain's names or torch's (``betas: [0.9, 0.999]``).
 
@@ -184,7 +192,42 @@ def optimizer(
         tx = optim.freeze(tx, {name: name in frozen for name in params})
     if config.max_grad_norm is not None:
         tx = optim.chain(optim.clip_by_global_norm(config.max_grad_norm), tx)
+    if config.dp_l2_norm_clip is not None:
+        if noise_multiplier is None:
+            raise ValueError(
+                "optimizer: DP-SGD (dp_l2_norm_clip) needs its noise_multiplier (dp_noise_multiplier())"
+            )
+        tx = optim.chain(optim.differentially_private_aggregate(config.dp_l2_norm_clip, noise_multiplier), tx)
     return averaging.chain(config, tx)
+
+
+def dp_noise_multiplier(config: TrainerConfig, dataset: Any, steps: int) -> float | None:
+    """DP-SGD's noise multiplier: ``dp_noise_multiplier``, or the one Opacus's accountant finds for
+    ``dp_target_epsilon`` at ``dp_delta`` over ``steps`` batches of ``batch_size`` from ``dataset``;
+    ``None`` without DP-SGD.
+
+    Example:
+        >>> dp_noise_multiplier(TrainerConfig(max_steps=5, dp_l2_norm_clip=1.0, dp_noise_multiplier=1.1), [], 5)
+        1.1
+    """
+    if config.dp_l2_norm_clip is None:
+        return None
+    if config.dp_noise_multiplier is not None:
+        return config.dp_noise_multiplier
+    examples = _length(
+        dataset,
+        "dp_target_epsilon",
+        "needs the training set's length (the sampling rate is batch_size / examples)",
+        "give a map-style dataset, or set dp_noise_multiplier",
+    )
+    try:
+        return optim.privacy.noise_multiplier_for_epsilon(
+            config.dp_target_epsilon, config.dp_delta, min(1.0, config.batch_size / max(examples, 1)), steps
+        )
+    except ImportError as err:
+        raise ConfigError.single(
+            "dp_target_epsilon", str(err), "install it, or set dp_noise_multiplier"
+        ) from err
 
 
 def criterion(config: TrainerConfig) -> Callable[[Any, Any], torch.Tensor]:
@@ -244,6 +287,14 @@ def frozen(config: TrainerConfig, model: nn.Module) -> set[str]:
     return names & set(params)
 
 
+def _length(dataset: Any, field: str, problem: str, fix: str) -> int:
+    """``len(dataset)``, or a ConfigError on ``field`` for a dataset without one (a stream)."""
+    try:
+        return len(dataset)
+    except TypeError:
+        raise ConfigError.single(field, problem, fix) from None
+
+
 def total_steps(config: TrainerConfig, dataset: Any) -> int:
     """The run's optimizer steps: ``max_steps``, or ``epochs`` over ``dataset`` (which must have a length).
 
@@ -253,14 +304,12 @@ def total_steps(config: TrainerConfig, dataset: Any) -> int:
     """
     if config.max_steps is not None:
         return config.max_steps
-    try:
-        n = len(dataset)
-    except TypeError:
-        raise ConfigError.single(
-            "epochs",
-            "the train dataset has no length, so epochs cannot be counted",
-            "set max_steps instead",
-        ) from None
+    n = _length(
+        dataset,
+        "epochs",
+        "the train dataset has no length, so epochs cannot be counted",
+        "set max_steps instead",
+    )
     per_epoch = data.num_batches(
         n,
         config.batch_size * config.gradient_accumulation_steps,
@@ -441,6 +490,8 @@ def steps(
         freeze_batchnorm=config.freeze.batchnorm,
         gradient_reducer=reducer,
         sharding=sharding,
+        per_example=config.dp_l2_norm_clip is not None,
+        sam_rho=config.sam_rho,
     )
     if config.nonfinite != "ignore":  # inside the ensemble's vmap below: each member skips on its own
         train = cbs.skip_nonfinite(train)
@@ -451,23 +502,32 @@ def steps(
     return train, evaluate, predict
 
 
-def compiled(config: TrainerConfig, kind: str, fn: Step, rows: int | None = None) -> CompiledStep:
+def compiled(
+    config: TrainerConfig, kind: str, fn: Step, rows: int | None = None
+) -> CompiledStep | TieredStep:
     """``fn`` (the ``kind`` ``"train"``/``"eval"``/``"predict"`` step) under :func:`functrain.jit` as the
-    config asks: compiled or eager, donated (training), and torch's portable compile cache in the run
-    directory (opt-in: its files are pickles). In one process, the train step runs a short last batch
-    eagerly (:class:`~functrain.trainer.short_batch.EagerShortBatches`): one compile, exact, BatchNorm
-    included, for any dataset length (``rows``: a full batch's, :func:`batch_rows`)."""
+    config asks: compiled, eager or tiered (``compile: auto``: eager first, compiled where it pays;
+    :func:`functrain.compile.tiers.tiered`), donated (training), and torch's portable compile cache in the
+    run directory (opt-in: its files are pickles). With ``compile: true``, in one process, the train step
+    runs a short last batch eagerly (:class:`~functrain.trainer.short_batch.EagerShortBatches`): one
+    compile, exact, BatchNorm included, for any dataset length (``rows``: a full batch's,
+    :func:`batch_rows`)."""
     cache_dir = Path(config.output_dir) / COMPILE_CACHE_DIR if config.compile_cache else None
-    options: dict[str, Any] = {
-        "compile": config.compile,
-        "mode": config.compile_mode,
-        "donate": config.donate and kind == "train",
-        "dynamic": config.compile_dynamic if kind == "train" else (config.compile_dynamic or None),
-        "cache_dir": cache_dir,
-    }
-    if kind == "train" and rows is not None and not distributed.is_distributed():
+    options = dict(
+        mode=config.compile_mode,
+        donate=config.donate and kind == "train",
+        dynamic=config.compile_dynamic if kind == "train" else (config.compile_dynamic or None),
+        cache_dir=cache_dir,
+    )
+    if config.compile == "auto":
+        return tiered(fn, **options)
+    if config.compile is True and kind == "train" and rows is not None and not distributed.is_distributed():
+        from functrain.trainer.short_batch import EagerShortBatches  # imports dynamo: only where it compiles
+
         return EagerShortBatches(fn, rows=rows, **options)
-    return jit(fn, **options)
+    from functrain.jit import jit  # dynamo's import (seconds) only where a step compiles
+
+    return jit(fn, compile=config.compile, **options)
 
 
 def batch_rows(config: TrainerConfig, dataset: Any) -> int | None:

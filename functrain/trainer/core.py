@@ -154,7 +154,8 @@ class Trainer:
     def build_optimizer(self) -> optim.GradientTransformation:
         """The optimizer from the config (override to build your own)."""
         params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
-        return build.optimizer(self.config, self.schedule, params, self.frozen)
+        noise = build.dp_noise_multiplier(self.config, self.train_dataset, self.total_steps)
+        return build.optimizer(self.config, self.schedule, params, self.frozen, noise)
 
     def train_step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
         """One pure training step (override to change it; it is still compiled as one graph)."""

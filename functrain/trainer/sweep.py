@@ -31,10 +31,10 @@ from torch import nn
 from functrain import distributed, ensemble, optim
 from functrain.config import ConfigError, TrainerConfig
 from functrain.config.sweep import SWEEPABLE
+from functrain.core.member_names import lower_is_better, member_key
 from functrain.ensemble.grid import grid, label
 from functrain.ensemble.stacked import create
 from functrain.logging.history import History
-from functrain.logging.members import lower_is_better, member_key
 from functrain.logging.plot import save_panels
 from functrain.optim.hyperparams import names_of
 from functrain.precision import LossScale
