@@ -227,11 +227,11 @@ class CompiledStep:
 
     def _through_dynamo(self, state: Any, args: tuple, kwargs: dict) -> Any:
         """Call the step through ``torch.compile``, compiling if dynamo has to."""
-        if not self._settled:  # before the first trace, once
-            self._settled = True
+        if not self._settled:  # before the first trace, once it ran (its error is the user's, eager)
             settle = _settling_forward(self._step)
             if settle is not None:
                 wrappers.settle_eagerly(settle, self.__name__, state, args, kwargs)
+            self._settled = True
         compiles, model = self.num_compiles, self._step.model
         # Cache misses are only read to decide whether to write a cache file.
         misses = self._cache.before_call(first=compiles == 0) if self._cache is not None else 0
@@ -259,7 +259,10 @@ class CompiledStep:
                 raise inner from None
             raise
         except torch._dynamo.exc.Unsupported as e:
-            raise self._explain(e, state, args, kwargs) from e
+            error = self._explain(e, state, args, kwargs)
+            if isinstance(error, GraphBreakError):
+                raise error from e
+            raise error from None  # the step's own error, run eagerly: its traceback, not dynamo's
         except interrupt.CompileInterrupted as e:
             # A handler that finishes the current step before stopping (functrain.callbacks.Preemption)
             # abandoned the compile: this step runs eagerly.

@@ -51,6 +51,19 @@ class Slow(torch.utils.data.Dataset):
         return x, (x[0] > 0).long()
 
 
+class Indexing(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.lin(x["x"])
+
+
+def tuple_inputs(n=32):
+    return [((x,), y) for x, y in train_set(n)]
+
+
 def broken():
     raise RuntimeError("my dataset is broken")
 
@@ -204,6 +217,20 @@ def test_a_failure_while_training_is_one_line_with_status_1(project: Path):
     assert (
         "example index 17" in lines[0] and f"{project / 'mytask.py'}:" in lines[0] and "--debug" in lines[0]
     )
+
+
+@pytest.mark.compile
+def test_a_mistake_in_the_users_model_is_one_short_line_naming_it_compiled_too(project: Path):
+    # compile: true runs the step's forward eagerly before tracing it: eager's error, the user's line
+    line_no = next(i for i, ln in enumerate(_MYTASK.splitlines(), 1) if 'x["x"]' in ln)
+    for compile in ("false", "true"):
+        argv = ["model=mytask:Indexing", "train_dataset=mytask:tuple_inputs", f"compile={compile}"]
+        argv.append(f"output_dir={project / compile}")
+        out = functrain(project, "train", "run.yaml", *argv)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 1 and len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+        assert lines[0].startswith("functrain train: TypeError: tuple indices"), lines[0][:300]
+        assert f"(at {project / 'mytask.py'}:{line_no})" in lines[0] and len(lines[0]) < 500, lines[0][:600]
 
 
 @pytest.mark.slow

@@ -28,18 +28,21 @@ __all__ = ["DEBUG_ENV", "BuildError", "debug_requested", "one_line", "report", "
 
 DEBUG_ENV = "FUNCTRAIN_DEBUG"
 # functrain's own files (the package, not only functrain/cli: a config error raised in functrain/config
-# named config/section.py as the user's line) and the standard library's; a folder ends with a separator,
+# named config/section.py as the user's line), the standard library's and installed packages' (a
+# Hugging Face model's code is not the user's line); a folder ends with a separator,
 # so that a user's project named functrain_tasks/ is not taken for functrain/.
 _FUNCTRAIN = os.path.realpath(Path(__file__).parent.parent)
 _NOT_USER = tuple(
     os.path.join(os.path.realpath(p), "")
     for p in {
         _FUNCTRAIN,
-        sysconfig.get_paths().get("stdlib", ""),
-        sysconfig.get_paths().get("platstdlib", ""),
+        *(sysconfig.get_paths().get(k, "") for k in ("stdlib", "platstdlib", "purelib", "platlib")),
     }
     if p
 )
+# What torch.compile's dynamo appends to an exception raised in code it traces (the traced stack, a hint):
+# the message is the part before it; the user's line is the traced stack's innermost frame.
+_DYNAMO_APPENDIX = ("\nfrom user code:", "\nSet TORCHDYNAMO_VERBOSE=1")
 
 
 class BuildError(Exception):
@@ -75,21 +78,31 @@ def one_line(error: BaseException) -> str:
         elif source:
             text = f"{source}: {text}"
     else:
-        text = str(error) or type(error).__name__
+        text = _without_dynamo_appendix(str(error)) or type(error).__name__
     notes = [str(n) for n in getattr(error, "__notes__", ())]
     if notes:
         text += f" ({'; '.join(notes)})"
     return " ".join(text.split())
 
 
+def _without_dynamo_appendix(message: str) -> str:
+    for marker in _DYNAMO_APPENDIX:
+        message = message.split(marker, 1)[0]
+    return message.strip()
+
+
 def user_frame(error: BaseException) -> str | None:
     """``file:line`` of the innermost frame of the user's code in ``error`` (or what caused it), or None.
 
-    The user's code is any file outside functrain, torch and the standard library.
+    The user's code is any file outside functrain, torch, the standard library and installed packages.
+    An exception raised in code that torch.compile traced names the traced stack's innermost user frame.
     """
     for exc in (error.__cause__, error):  # build errors chain the user's exception as the cause
         if exc is None:
             continue
+        traced = getattr(exc, "innermost_user_frame_summary", None)  # set by dynamo
+        if traced is not None and not _outside_user_code(traced.filename):
+            return f"{traced.filename}:{traced.lineno}"
         frames = [f for f in traceback.extract_tb(exc.__traceback__) if not _outside_user_code(f.filename)]
         if frames:
             return f"{frames[-1].filename}:{frames[-1].lineno}"

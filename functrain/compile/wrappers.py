@@ -52,17 +52,17 @@ def settle_eagerly(forward: Callable[..., Any], name: str, state: Any, args: tup
     ViT, ...) set ``config.problem_type`` from the labels. Traced first, the step guards the unsettled
     value (``config.problem_type is None``) and recompiles on its second call, as any ``torch.compile``
     of such a model does. One eager forward first costs far less than a compile (benchmarks/README.md).
-    A forward that fails here is left to the compiled call, which reports it.
+
+    A forward that fails here raises its own exception, unchanged: the step's forward is the user's
+    code, and its error is eager's, a traceback ending at the user's line, before dynamo traces
+    anything (traced, the same mistake surfaces as dynamo's exception, its message grown by the traced
+    stack).
     """
     device = device_of(state)
     devices = [device.index or 0] if device is not None and device.type not in ("cpu", "meta") else []
     started = time.perf_counter()
-    try:
-        with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
-            forward(state, *args, **kwargs)
-    except Exception as e:
-        log.debug("%s: the eager forward before the first compile failed (%s: %s)", name, type(e).__name__, e)
-        return
+    with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
+        forward(state, *args, **kwargs)
     log.debug("%s: eager forward before the first compile: %.3f s", name, time.perf_counter() - started)
 
 

@@ -216,7 +216,15 @@ class TrainerConfig(ConfigSection):
     pad_train_batches: bool = option(
         False,
         doc="Pad the short last training batch, masked (weight zero): no recompile for it. Exact for "
-        "Hugging Face labels or models without dropout; refused with BatchNorm (use drop_last).",
+        "Hugging Face labels or models without dropout; refused with BatchNorm (use drop_last). Off, the "
+        "compiled train step runs that batch eagerly (exact, no recompile).",
+    )
+    sequence_bucket: int | None = option(
+        16,
+        doc="Pad the sequence axis of batches with an attention_mask (Hugging Face's layout) to the smallest "
+        "sequence_bucket * 2**k that holds their longest sequence, masked: one compile per bucket (at most 6 "
+        "up to 512 tokens) where lengths as the collate pads them compile once each; null: as they come.",
+        minimum=1,
     )
     num_workers: int = option(0, doc="DataLoader worker processes (0 loads in the main process).", minimum=0)
     persistent_workers: bool = option(
@@ -367,6 +375,12 @@ class TrainerConfig(ConfigSection):
         "always eager.",
     )
     compile_mode: CompileMode | None = option(None, doc="torch.compile mode; null: PyTorch's default.")
+    compile_dynamic: bool | None = option(
+        False,
+        doc="torch.compile's dynamic for the train step: false compiles each batch shape it meets (the "
+        "fastest kernels; sequence_bucket keeps the shapes few), null makes a size symbolic once it "
+        "changes, true from the first compile. Evaluation: null unless this is true.",
+    )
     donate: bool = option(False, doc="Let the step overwrite the incoming state's tensors (saves memory).")
     compile_cache: bool = option(
         False,

@@ -19,6 +19,7 @@ from functrain.data.order import epoch_order, shard_batches
 from functrain.data.padding import pad_batch
 from functrain.data.position import DataPosition, num_batches, num_steps
 from functrain.data.prefetch import Prefetcher, prefetch_to_device
+from functrain.data.sequences import SequencePadding, bucket_length, pad_sequences, pad_to_longest
 from functrain.data.shuffle_buffer import ShuffleBuffer
 from functrain.data.sources import ResumeWarning, is_stream
 from functrain.data.transfer import pin_memory, to_device
@@ -30,8 +31,10 @@ __all__ = [
     "MaskedBatch",
     "Prefetcher",
     "ResumeWarning",
+    "SequencePadding",
     "ShuffleBuffer",
     "as_loader",
+    "bucket_length",
     "collate",
     "empty_batch",
     "epoch_order",
@@ -40,6 +43,8 @@ __all__ = [
     "num_examples",
     "num_steps",
     "pad_batch",
+    "pad_sequences",
+    "pad_to_longest",
     "pin_memory",
     "prefetch_to_device",
     "shard_batches",

@@ -133,10 +133,7 @@ def mode_setter(model: nn.Module | ApplyFn) -> Callable[[bool, bool], None]:
     batchnorms = tuple(m for m in modules if isinstance(m, nn.modules.batchnorm._BatchNorm))
     # Modules with their own ``train`` or ``__setattr__`` (a scripted module keeps its flag in C++) get
     # ``model.train(mode)``.
-    own_train = any(
-        type(m).train is not nn.Module.train or type(m).__setattr__ is not nn.Module.__setattr__
-        for m in modules
-    )
+    own_train = any(not _plain_train(m) or type(m).__setattr__ is not nn.Module.__setattr__ for m in modules)
 
     def set_mode(training: bool, freeze_batchnorm: bool = False) -> None:
         if own_train:
@@ -149,6 +146,24 @@ def mode_setter(model: nn.Module | ApplyFn) -> Callable[[bool, bool], None]:
                 m.eval()
 
     return set_mode
+
+
+def _plain_train(module: nn.Module) -> bool:
+    """Whether ``module.train(mode)`` only sets the ``training`` flags: ``nn.Module.train``, or Hugging
+    Face's ``PreTrainedModel.train`` (transformers 5.x) on a model without hub kernels (``use_kernels``).
+
+    transformers 5.x's override reads ``self.training != mode`` first; called inside the compiled step,
+    dynamo guards the flag the step found, which the other step (train after eval) left the other way:
+    one recompile of each step per train/eval switch. Writing the flags instead reads none of them.
+    """
+    train = type(module).train
+    if train is nn.Module.train:
+        return True
+    return (
+        train.__qualname__ == "PreTrainedModel.train"
+        and train.__module__.startswith("transformers.")
+        and not getattr(module, "use_kernels", False)
+    )
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:

@@ -235,7 +235,7 @@ def _settle(parts: _TrainParts, state: Any, batch: Batch) -> None:
     buffers = {k: v.clone() for k, v in state.buffers.items()}  # BatchNorm writes into the clones
     params = parts.strategy.params_whole(state)  # ZeRO-3: gathered
     with torch.no_grad(), autocast(device_of(params), parts.cast), checkpoint_routing(parts.routing):
-        parts.loss_fn(parts.bind(params, buffers), first)
+        loss_over_real_rows(parts.loss_fn, parts.bind(params, buffers), first)  # the loss checked too
 
 
 def _train_step(

@@ -19,7 +19,15 @@ from torch import nn
 
 from functrain.step.batch import INPUT_KEYS, inputs_and_target
 
-__all__ = ["criterion_argument", "forward_takes_labels", "labels_loss", "output_field", "predict_forward"]
+__all__ = [
+    "criterion_argument",
+    "forward_takes_labels",
+    "labels_loss",
+    "output_field",
+    "pad_token_id",
+    "predict_forward",
+    "refuse_model_output",
+]
 
 
 def criterion_argument(criterion: Any, loss_fn: Any) -> Any:
@@ -78,6 +86,30 @@ def labels_loss(
     else:
         loss = criterion(logits, batch["labels"])
     return loss, {"preds": logits, "target": batch["labels"]}
+
+
+def pad_token_id(model: nn.Module) -> int:
+    """The token id a Hugging Face model pads with (``config.pad_token_id``), else 0.
+
+    Example:
+        >>> pad_token_id(torch.nn.Linear(2, 1))
+        0
+    """
+    value = getattr(getattr(model, "config", None), "pad_token_id", None)
+    return value if isinstance(value, int) else 0
+
+
+def refuse_model_output(preds: Any, model_name: str) -> None:
+    """Refuse a Hugging Face model's output (a mapping with ``logits``) met on the ``(inputs, target)``
+    path, where the criterion expects a tensor: the batches are not the dicts with ``labels`` that such a
+    model's loss reads (a ``TensorDataset`` given to a ``BertForSequenceClassification``)."""
+    if isinstance(preds, Mapping) and "logits" in preds:
+        raise TypeError(
+            f"Trainer: {model_name} returned a {type(preds).__name__}, not a tensor, for an (inputs, target) "
+            "batch; give it dict batches with its inputs and 'labels' (e.g. {'input_ids': ..., "
+            "'attention_mask': ..., 'labels': ...}, as a tokenized Hugging Face dataset gives them), or pass "
+            "loss_fn=(model, batch) -> loss"
+        )
 
 
 def predict_forward(model: Callable[..., Any], batch: Any, takes_labels: bool) -> Any:

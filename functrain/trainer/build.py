@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 __all__ = [
     "LOGGERS",
     "Losses",
+    "batch_rows",
     "best_metric",
     "callbacks",
     "compiled",
@@ -327,17 +328,23 @@ def loader(
     device: torch.device,
     collate_fn: Callable[[list[Any]], Any] | None = None,
     pad_last: bool = False,
+    pad_token_id: int = 0,
 ) -> data.Loader:
     """A Loader over ``dataset`` with the config's data settings; ``key`` given: the training order
     (``shuffle``, ``drop_last``), else evaluation's (in order, every example). Each rank reads its slice.
     ``shuffle: auto`` permutes a map-style dataset and reads a stream in its own order; ``shuffle: true``
-    reads a stream through a shuffle buffer of ``shuffle_buffer_size`` examples.
+    reads a stream through a shuffle buffer of ``shuffle_buffer_size`` examples. The batches of a
+    ``collate_fn`` of one's own (which pads to each batch's longest sequence, as Hugging Face's do) are
+    padded further to ``sequence_bucket`` lengths where they have an ``attention_mask``
+    (:mod:`functrain.data.sequences`; the ``input_ids`` with ``pad_token_id``).
 
     Example:
         >>> len(loader(TrainerConfig(max_steps=1), list(range(10)), 4, key=None, device=torch.device("cpu")))
         3
     """
     train = key is not None
+    if config.sequence_bucket is not None and collate_fn is not None:  # a collate of one's own pads to
+        collate_fn = data.SequencePadding(collate_fn, config.sequence_bucket, pad_token_id)  # the longest
     options = {
         "drop_last": config.drop_last if train else False,
         "collate_fn": collate_fn,
@@ -495,23 +502,49 @@ def steps(
     return train, evaluate, predict
 
 
-def compiled(config: TrainerConfig, kind: str, fn: Step) -> CompiledStep | TieredStep:
+def compiled(
+    config: TrainerConfig, kind: str, fn: Step, rows: int | None = None
+) -> CompiledStep | TieredStep:
     """``fn`` (the ``kind`` ``"train"``/``"eval"``/``"predict"`` step) under :func:`functrain.jit` as the
     config asks: compiled, eager or tiered (``compile: auto``: eager first, compiled where it pays;
     :func:`functrain.compile.tiers.tiered`), donated (training), and torch's portable compile cache in the
-    run directory (opt-in: its files are pickles)."""
+    run directory (opt-in: its files are pickles). With ``compile: true``, in one process, the train step
+    runs a short last batch eagerly (:class:`~functrain.trainer.short_batch.EagerShortBatches`): one
+    compile, exact, BatchNorm included, for any dataset length (``rows``: a full batch's,
+    :func:`batch_rows`)."""
     cache_dir = Path(config.output_dir) / COMPILE_CACHE_DIR if config.compile_cache else None
     options = dict(
         mode=config.compile_mode,
         donate=config.donate and kind == "train",
-        dynamic=None if kind != "train" else False,
+        dynamic=config.compile_dynamic if kind == "train" else (config.compile_dynamic or None),
         cache_dir=cache_dir,
     )
     if config.compile == "auto":
         return tiered(fn, **options)
+    if config.compile is True and kind == "train" and rows is not None and not distributed.is_distributed():
+        from functrain.trainer.short_batch import EagerShortBatches  # imports dynamo: only where it compiles
+
+        return EagerShortBatches(fn, rows=rows, **options)
     from functrain.jit import jit  # dynamo's import (seconds) only where a step compiles
 
     return jit(fn, compile=config.compile, **options)
+
+
+def batch_rows(config: TrainerConfig, dataset: Any) -> int | None:
+    """The examples of a full training batch of ``dataset``: a ``DataLoader``'s own batch size, else
+    ``batch_size * gradient_accumulation_steps``, at most the dataset's length (``None``: unknown).
+
+    Example:
+        >>> batch_rows(TrainerConfig(max_steps=1, batch_size=4), list(range(3)))
+        3
+    """
+    if isinstance(dataset, torch.utils.data.DataLoader):
+        return dataset.batch_size
+    rows = config.batch_size * config.gradient_accumulation_steps
+    try:
+        return max(1, min(rows, len(dataset)))
+    except TypeError:  # a stream without a length
+        return rows
 
 
 # eval_strategy/save_strategy -> fit's eval_every/save_every, given eval_steps/save_steps ("auto" is

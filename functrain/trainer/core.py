@@ -138,6 +138,8 @@ class Trainer:
             return batches.labels_loss(model, batch, own, type(self.model).__name__)
         x, y = inputs_and_target(batch)
         preds = model(x)
+        if self.model_takes_labels:
+            batches.refuse_model_output(preds, type(self.model).__name__)
         return self.criterion(preds, y), {"preds": preds, "target": y}
 
     def preprocess(self, batch: Any) -> Any:
@@ -317,7 +319,8 @@ class Trainer:
     def _jit(self, kind: str) -> Any:
         """The ``kind`` step compiled as the config asks (once per trainer)."""
         if kind not in self._jitted:
-            self._jitted[kind] = build.compiled(self.config, kind, self._step(kind))
+            rows = build.batch_rows(self.config, self.train_dataset) if kind == "train" else None
+            self._jitted[kind] = build.compiled(self.config, kind, self._step(kind), rows)
         return self._jitted[kind]
 
     def _loader(self, dataset: Any, batch_size: int, *, train: bool) -> Any:
@@ -325,7 +328,7 @@ class Trainer:
         pad = train and build.pads(self.config, "train", overridden=_overridden(self, "train"))
         return build.loader(
             self.config, dataset, batch_size, key=key, device=self.device, collate_fn=self.data_collator,
-            pad_last=pad,
+            pad_last=pad, pad_token_id=batches.pad_token_id(self.model),
         )  # fmt: skip
 
     def _loggers(self, log_dir: Path) -> list[Any]:
