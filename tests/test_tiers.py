@@ -396,3 +396,15 @@ def test_a_switch_to_inductor_resumes_bitwise(tmp_path):
     resumed = _fit(state, step, tmp_path / "part", resume=True)
     assert step.num_compiles == 1 and step.tier == "inductor"
     assert_bitwise_equal(arrays(full.state), arrays(resumed.state))
+
+
+def test_on_the_inductor_tier_a_short_last_batch_runs_on_the_eager_step(tmp_path):
+    # 36 examples in batches of 8: each epoch ends with a batch of 4, which would compile a second graph
+    state, step, stand_ins = setup(SwitchAt(1), rows=8)
+    ft.fit(state, step, dataset(36), batch_size=8, epochs=3, progress_bar=False)
+    assert step.plan.switch_at == 1
+    # 15 steps: 1 eager, then 14 on the inductor tier but for the 3 short batches (eager, no 2nd shape)
+    assert stand_ins[0].calls == 15 - 1 - 3
+    state, step, stand_ins = setup(SwitchAt(1))  # without rows: every batch on the switched tier
+    ft.fit(state, step, dataset(36), batch_size=8, epochs=3, progress_bar=False)
+    assert stand_ins[0].calls == 15 - 1

@@ -35,7 +35,7 @@ import torch
 
 from functrain.compile import compile_times
 from functrain.compile.wrappers import device_of
-from functrain.step import Step, as_step
+from functrain.step import Step, as_step, num_examples
 
 __all__ = [
     "Policy",
@@ -213,9 +213,11 @@ class TieredStep:
         donate: bool = False,
         seed: bool = True,
         rank: int | None = None,
+        rows: int | None = None,
         **jit_options: Any,
     ) -> None:
         self.fn = fn
+        self.rows = rows  # a full batch's examples: a shorter batch runs eagerly on the inductor tier too
         self._step = as_step(fn)
         self.__name__ = getattr(self._step.fn, "__name__", "step")
         self.policy: Policy = policy if policy is not None else TierPolicy()
@@ -281,7 +283,7 @@ class TieredStep:
         return self.tier
 
     def __call__(self, state: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.current_tier == INDUCTOR:
+        if self.current_tier == INDUCTOR and not self._short(args):
             if self._inductor is None:
                 self._inductor = self._build()
             return self._inductor(state, *args, **kwargs)
@@ -302,6 +304,16 @@ class TieredStep:
             self.eager_cpu_seconds.append(self._cpu_clock() - cpu)
         self._warmed_up = True
         return out
+
+    def _short(self, args: tuple) -> bool:
+        """Whether the batch has fewer than :attr:`rows` examples (a set's short last batch): it runs on
+        the eager step instead of compiling a second graph, by its shape alone, so a resume chooses alike."""
+        if self.rows is None or not args:
+            return False
+        try:
+            return num_examples(args[0]) < self.rows
+        except ValueError:  # no tensor of rank >= 1
+            return False
 
     def _cost(self) -> float:
         """The inductor tiers' build cost: this step's, plus its followers' (forward-only graphs)."""
@@ -372,18 +384,21 @@ def tiered(
     donate: bool = False,
     seed: bool = True,
     rank: int | None = None,
+    rows: int | None = None,
     **jit_options: Any,
 ) -> TieredStep:
     """``fn`` as a :class:`TieredStep`: eager first, :func:`functrain.jit`'s inductor step where it pays.
 
     ``jit_options`` (``mode``, ``dynamic``, ``options``, ``cache_dir``, ``max_compiles``...) go to the
-    inductor step's :func:`functrain.jit`; ``donate``, ``seed`` and ``rank`` to both tiers.
+    inductor step's :func:`functrain.jit`; ``donate``, ``seed`` and ``rank`` to both tiers. ``rows`` (a
+    full batch's examples): on the inductor tier a shorter batch (a set's last) runs on the eager step,
+    exactly and without a second compile (:mod:`functrain.trainer.short_batch` says why).
 
     Example:
         >>> step = tiered(make_train_step(model, loss), policy=TierPolicy(speedup=1.3))
         >>> ft.fit(state, step, data, batch_size=32, epochs=20).state.step
     """
-    return TieredStep(fn, policy=policy, donate=donate, seed=seed, rank=rank, **jit_options)
+    return TieredStep(fn, policy=policy, donate=donate, seed=seed, rank=rank, rows=rows, **jit_options)
 
 
 def tiered_steps(steps: Sequence[Any]) -> list[TieredStep]:

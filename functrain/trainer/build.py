@@ -508,8 +508,8 @@ def compiled(
     """``fn`` (the ``kind`` ``"train"``/``"eval"``/``"predict"`` step) under :func:`functrain.jit` as the
     config asks: compiled, eager or tiered (``compile: auto``: eager first, compiled where it pays;
     :func:`functrain.compile.tiers.tiered`), donated (training), and torch's portable compile cache in the
-    run directory (opt-in: its files are pickles). With ``compile: true``, in one process, the train step
-    runs a short last batch eagerly (:class:`~functrain.trainer.short_batch.EagerShortBatches`): one
+    run directory (opt-in: its files are pickles). Compiled (``compile: true``, or ``auto`` once on the
+    inductor tier), in one process, the train step runs a short last batch eagerly (:class:`~functrain.trainer.short_batch.EagerShortBatches`): one
     compile, exact, BatchNorm included, for any dataset length (``rows``: a full batch's,
     :func:`batch_rows`)."""
     cache_dir = Path(config.output_dir) / COMPILE_CACHE_DIR if config.compile_cache else None
@@ -519,9 +519,10 @@ def compiled(
         dynamic=config.compile_dynamic if kind == "train" else (config.compile_dynamic or None),
         cache_dir=cache_dir,
     )
+    short_eager = kind == "train" and rows is not None and not distributed.is_distributed()
     if config.compile == "auto":
-        return tiered(fn, **options)
-    if config.compile is True and kind == "train" and rows is not None and not distributed.is_distributed():
+        return tiered(fn, rows=rows if short_eager else None, **options)
+    if config.compile is True and short_eager:
         from functrain.trainer.short_batch import EagerShortBatches  # imports dynamo: only where it compiles
 
         return EagerShortBatches(fn, rows=rows, **options)
