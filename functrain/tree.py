@@ -202,7 +202,7 @@ def _readable_on_host(pred: torch.Tensor) -> bool:
         type(pred) is torch.Tensor
         and pred.device.type == "cpu"
         and pred.numel() == 1
-        and not torch.compiler.is_compiling()
+        and not torch.compiler.is_dynamo_compiling()
         and torch._C._functorch.peek_interpreter_stack() is None
     )
 

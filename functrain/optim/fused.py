@@ -160,7 +160,7 @@ def _fused_adam_(*args: Any) -> None:
 
 
 def _dispatched() -> bool:
-    return torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None
+    return torch.compiler.is_dynamo_compiling() or torch._C._functorch.peek_interpreter_stack() is not None
 
 
 @_fused_adam_op.register_fake
