@@ -23,7 +23,6 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
-import torch._dynamo
 
 from functrain import random
 from functrain.compile import compile_times, interrupt, wrappers
@@ -133,6 +132,11 @@ class CompiledStep:
         self._cache = PortableCache(self.cache_dir, self.__name__) if self.cache_dir is not None else None
         self._options = {"fullgraph": fullgraph, "dynamic": dynamic, "mode": mode, "options": options}
         if compile:
+            # Imported here, not at module level: a step that never compiles (the eager tier of
+            # compile: auto) never loads dynamo nor inductor (~2 s of CPU).
+            import torch._dynamo
+            import torch._inductor
+
             config = dict(torch._inductor.list_mode_options(mode)) if mode else {}
             config.update(options or {})
             # The caller's own filter replaces jit's.
@@ -227,6 +231,8 @@ class CompiledStep:
 
     def _through_dynamo(self, state: Any, args: tuple, kwargs: dict) -> Any:
         """Call the step through ``torch.compile``, compiling if dynamo has to."""
+        import torch._dynamo  # loaded by __init__ already (compile=True): a dict lookup
+
         if not self._settled:  # before the first trace, once it ran (its error is the user's, eager)
             settle = _settling_forward(self._step)
             if settle is not None:

@@ -20,9 +20,6 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-import torch._dynamo
-
 __all__ = ["ignored_logging", "logging_methods"]
 
 _EMITTING = ("debug", "info", "warning", "warn", "error", "exception", "critical", "fatal", "log")
@@ -50,6 +47,8 @@ def logging_methods() -> set[Any]:
 
 
 def _ignore_set() -> set[Any] | None:
+    import torch._dynamo  # here: importing this module (an eager step's) loads no dynamo
+
     config = torch._dynamo.config
     for name in ("ignore_logging_functions", "ignore_logger_methods"):  # the older name on torch < 2.10
         value = getattr(config, name, None)

@@ -194,6 +194,8 @@ def functional_rnns(model: Any) -> Iterator[None]:
         # The same object every call: dynamo guards on its identity (a new one would recompile).
         if m not in _FORWARDS:
             _FORWARDS[m] = functools.partial(rnn_forward, m)
+    import torch._dynamo  # here, not at module level: an eager step never loads dynamo
+
     config = torch._dynamo.config
     allow = config.allow_rnn
     config.allow_rnn = True

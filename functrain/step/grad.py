@@ -8,10 +8,13 @@ and unwraps every output, and its backward always records a graph of itself (``c
 the gradients' own gradients). On the cheap tier, with no transform active, no trace under way and no
 param that autograd already follows, :func:`loss_and_grad` takes ``torch.autograd.grad`` on detached
 copies of the params instead: the gradient of the same forward, by the same backward kernels, at plain
-PyTorch's cost (benchmarks/eager_step.py). The first call also runs the transform once, as a check
-whose result and random draws are dropped: the eager step refuses what the compiled step and the
-transforms refuse (``torch.utils.checkpoint``'s saved-tensor hooks, an autograd Function without
-``setup_context``: :mod:`functrain.remat`), not a model that fails once compiled. Every step's result is
+PyTorch's cost (benchmarks/eager_step.py). The first call also runs the function's forward once under
+the transform (``torch.func.vjp``, its cotangent never asked for), as a check whose result and random
+draws are dropped: the eager step refuses what the compiled step and the transforms refuse
+(``torch.utils.checkpoint``'s saved-tensor hooks, an autograd Function without ``setup_context``:
+:mod:`functrain.remat`; both refused in the forward), not a model that fails once compiled. Only the
+forward: the transform's backward imports ``torch._dynamo`` (~2 s of CPU), which a run on the eager tier
+never needs otherwise. Every step's result is
 the plain path's, whichever call of the process it is, so a resumed run's first step is the
 uninterrupted run's; both paths are bitwise the same but for a forward whose random draws depend on a
 kernel choice that the transform changes (``nn.MultiheadAttention``'s dropout), where the draws are the
@@ -31,7 +34,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch.func import grad_and_value
+from torch.func import grad_and_value, vjp
 
 from functrain import tree
 
@@ -56,7 +59,7 @@ def loss_and_grad(fn: Callable[..., tuple[torch.Tensor, Any]]) -> Callable[..., 
     ``value`` a 0-d tensor; a param ``value`` does not depend on gets a zero gradient.
 
     Eagerly, where :func:`plain_autograd_applies`, by ``torch.autograd.grad`` (the first call runs the
-    transform once more, for its refusals, with the generators' states restored after it); the value and
+    forward under the transform once more, for its refusals, with the generators' states restored after it); the value and
     every tensor of ``aux`` come back detached, as from the transform.
 
     Example:
@@ -75,7 +78,7 @@ def loss_and_grad(fn: Callable[..., tuple[torch.Tensor, Any]]) -> Callable[..., 
             return transformed(params, *args)
         if not checked:
             with torch.random.fork_rng(devices=_devices(params)):  # a check: it draws nothing of the run's
-                transformed(params, *args)
+                vjp(lambda p: fn(p, *args), params, has_aux=True)  # the forward under the transform
             checked = True
         return _plain_grad_and_value(fn, params, args)
 
