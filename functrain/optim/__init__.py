@@ -19,7 +19,8 @@ Train steps call :func:`apply_gradients`, which takes a transformation's fused `
 (``adam``/``adamw`` run torch's fused kernel as one op: shorter compiles).
 
 Every optimizer is differentiable: ``torch.func.grad`` through unrolled train steps w.r.t. the initial
-params and the hyperparameters (set with :func:`set_hyperparams`) takes the leaf-by-leaf, out-of-place
+params and the hyperparameters (set with :func:`set_hyperparams`; Adam's, Lion's and LAMB's betas too with
+``betas_in_state=True``, :mod:`functrain.optim.state_betas`) takes the leaf-by-leaf, out-of-place
 path by itself wherever an argument requires a gradient (tests/test_differentiable_training.py); where
 nothing does, the foreach and fused kernels run as before.
 
@@ -85,6 +86,7 @@ from functrain.optim.selection import (
     names_by_module_index,
     param_names,
 )
+from functrain.optim.state_betas import BetasState, with_betas_in_state
 from functrain.optim.transforms import (
     AddDecayedWeightsState,
     LearningRateState,
@@ -107,6 +109,7 @@ from functrain.optim.transforms import (
 
 __all__ = [
     "AddDecayedWeightsState",
+    "BetasState",
     "DifferentiallyPrivateAggregateState",
     "EmptyState",
     "FreezeState",
@@ -178,4 +181,5 @@ __all__ = [
     "stateless_leafwise",
     "trace",
     "warmup_cosine_decay_schedule",
+    "with_betas_in_state",
 ]

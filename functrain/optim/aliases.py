@@ -70,12 +70,15 @@ def adam(
     weight_decay: float = 0.0,
     amsgrad: bool = False,
     fused: bool = True,
+    betas_in_state: bool = False,
 ) -> GradientTransformation:
     """``torch.optim.Adam(lr, betas=(b1, b2), eps, weight_decay, amsgrad)``: weight decay is L2, added to the gradient.
 
     ``fused``: train steps run the update as torch's fused kernel, one opaque op in the compiled graph
     (:mod:`functrain.optim.fused`: a much shorter cold compile); ``False`` leaves it to inductor, which
     fuses it into the backward's kernels (steps ~2-3% faster on CPU, compiles longer).
+    ``betas_in_state``: ``b1``, ``b2`` are settable, differentiable hyperparameters in the state
+    (:mod:`functrain.optim.state_betas`); the update is then the in-graph one (as ``fused=False``).
 
     Example:
         >>> import torch
@@ -86,6 +89,7 @@ def adam(
     tx = adam_with_fused_apply(
         b1, b2, eps, amsgrad, scale_by_learning_rate(learning_rate),
         coupled=_coupled_decay(check_nonnegative("adam", "weight_decay", weight_decay)),
+        betas_in_state=betas_in_state,
     )  # fmt: skip
     return tx if fused else tx._replace(apply=None)
 
@@ -99,12 +103,13 @@ def adamw(
     mask: PyTree | None = None,
     amsgrad: bool = False,
     fused: bool = True,
+    betas_in_state: bool = False,
 ) -> GradientTransformation:
     """``torch.optim.AdamW``: decoupled weight decay ``p -= lr * weight_decay * p`` beside the Adam step.
 
     ``mask`` (bools like the params, or a function ``params -> bools``) limits the decay to leaves where it
     is True, e.g. ``mask=lambda p: optim.mask_by_name(p, ["*.weight"])``; the others are not decayed.
-    ``fused`` as in :func:`adam`.
+    ``fused`` and ``betas_in_state`` as in :func:`adam`.
 
     Example:
         >>> import torch
@@ -117,6 +122,7 @@ def adamw(
         b1, b2, eps, amsgrad, scale_by_learning_rate(learning_rate),
         weight_decay=check_nonnegative("adamw", "weight_decay", weight_decay),
         mask=mask,
+        betas_in_state=betas_in_state,
     )  # fmt: skip
     return tx if fused else tx._replace(apply=None)
 
@@ -186,10 +192,12 @@ def lion(
     b2: float = 0.99,
     weight_decay: float = 1e-3,
     mask: PyTree | None = None,
+    betas_in_state: bool = False,
 ) -> GradientTransformation:
     """Lion (Chen et al. 2023): ``p -= lr * (sign(b1 * m + (1 - b1) * g) + weight_decay * p)``.
 
     Use a learning rate 3-10x smaller than AdamW's and a weight decay 3-10x larger (the paper's advice).
+    ``betas_in_state`` as in :func:`adam`.
 
     Example:
         >>> import torch
@@ -198,7 +206,7 @@ def lion(
         {'w': tensor([-0.1000,  0.1000])}
     """
     return chain(
-        scale_by_lion(b1, b2),
+        scale_by_lion(b1, b2, betas_in_state),
         add_decayed_weights(check_nonnegative("lion", "weight_decay", weight_decay), mask),
         scale_by_learning_rate(learning_rate),
     )
@@ -211,8 +219,11 @@ def lamb(
     eps: float = 1e-6,
     weight_decay: float = 0.0,
     mask: PyTree | None = None,
+    betas_in_state: bool = False,
 ) -> GradientTransformation:
     """LAMB (You et al. 2020), as optax: Adam direction plus decoupled decay, scaled per leaf by ``||p|| / ||u||``.
+
+    ``betas_in_state`` as in :func:`adam`.
 
     Example:
         >>> import torch
@@ -222,7 +233,7 @@ def lamb(
         {'w': tensor([-0.5000, -0.0000])}
     """
     return chain(
-        scale_by_adam(b1, b2, eps),
+        scale_by_adam(b1, b2, eps, betas_in_state=betas_in_state),
         add_decayed_weights(check_nonnegative("lamb", "weight_decay", weight_decay), mask),
         scale_by_trust_ratio(),
         scale_by_learning_rate(learning_rate),

@@ -260,6 +260,7 @@ def adam_with_fused_apply(
     coupled: Sequence[GradientTransformation] = (),
     weight_decay: float | None = None,
     mask: PyTree | None = None,
+    betas_in_state: bool = False,
 ) -> GradientTransformation:
     """``chain(*coupled, scale_by_adam(b1, b2, eps, amsgrad), add_decayed_weights(weight_decay, mask),
     learning_rate)`` (the decay only when ``weight_decay`` is given) whose ``apply`` runs the step as one
@@ -268,6 +269,8 @@ def adam_with_fused_apply(
     ``coupled`` transforms (L2 decay) run on the gradients before it, as in the chain. The decoupled
     decay (AdamW's) shrinks the params by ``lr * weight_decay`` inside the kernel call, before the Adam
     step, as ``torch.optim.AdamW`` does; the state, hyperparameters and mask are the chain's.
+    ``betas_in_state`` (:mod:`functrain.optim.state_betas`): the chain alone, no ``apply`` (the kernel
+    takes the betas as floats).
 
     Example:
         >>> from functrain.optim import scale_by_learning_rate
@@ -277,7 +280,10 @@ def adam_with_fused_apply(
         {'w': tensor([-0.1000])}
     """
     decoupled = [] if weight_decay is None else [add_decayed_weights(weight_decay, mask)]
-    unfused = chain(*coupled, scale_by_adam(b1, b2, eps, amsgrad=amsgrad), *decoupled, learning_rate)
+    adam = scale_by_adam(b1, b2, eps, amsgrad=amsgrad, betas_in_state=betas_in_state)
+    unfused = chain(*coupled, adam, *decoupled, learning_rate)
+    if betas_in_state:
+        return unfused
     n_coupled = len(coupled)
     # Which leaves decay: resolved on the host at init (a name pattern does not trace), as masked() does.
     mask_leaves_of = None if mask is None else bool_labels("adamw", mask, "mask")

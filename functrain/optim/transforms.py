@@ -43,6 +43,7 @@ from functrain.optim.base import (
 )
 from functrain.optim.hyperparams import hyperparam_field
 from functrain.optim.schedules import evaluate
+from functrain.optim.state_betas import Beta, with_betas_in_state
 from functrain.tree import PyTree
 
 __all__ = [
@@ -66,18 +67,31 @@ __all__ = [
 ]
 
 
-def _one_minus_pow(base: float, count: torch.Tensor) -> torch.Tensor:
+def _one_minus_pow(base: float | torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """``1 - base ** count`` as torch.optim computes it, in float64 (as its Python floats are): float64
     params get torch's bias corrections to the last bit or two, float32 and bf16 ones the float64 value
     rounded once (the cancellation in ``1 - 0.999 ** 1`` costs ~1e-13 relative in float64, 4 of float32's 7
     digits). Float32 where the device has no float64 (MPS), as ``-expm1(count * log(base))``, accurate for
-    small counts. The dtype follows the count's device, not the leaves: no per-leaf check to trace.
+    small counts. The dtype follows the count's device, not the leaves: no per-leaf check to trace. A
+    tensor ``base`` (betas in the state) is used as a tensor, so the result is differentiable in it.
     """
+    if isinstance(base, torch.Tensor):
+        dtype = torch.float32 if count.device.type == "mps" else torch.float64
+        return 1.0 - base.to(dtype) ** count.to(dtype)
     if count.device.type == "mps":
         if base == 0.0:
             return torch.ones_like(count, dtype=torch.float32)
         return -torch.expm1(count.to(torch.float32) * math.log(base))
     return 1.0 - torch.full_like(count, base, dtype=torch.float64) ** count.to(torch.float64)
+
+
+def _add_scaled_square(acc: list[torch.Tensor], grads: list[torch.Tensor], weight: Beta) -> None:
+    """``acc += weight * grads**2`` in place (the list's items): one ``addcmul`` for a float weight; a
+    tensor weight (a beta in the state) scales a factor first, as ``addcmul`` takes only a number."""
+    if isinstance(weight, torch.Tensor):
+        foreach.addcmul_(acc, grads, foreach.mul(grads, weight))
+    else:
+        foreach.addcmul_(acc, grads, grads, weight)
 
 
 def _once(*scalars: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -291,12 +305,19 @@ class ScaleByAdamState:
 
 
 def scale_by_adam(
-    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0, amsgrad: bool = False
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    amsgrad: bool = False,
+    betas_in_state: bool = False,
 ) -> GradientTransformation:
     """Adam's direction: ``m_hat / (sqrt(v_hat + eps_root) + eps)`` with bias-corrected moments.
 
     With ``eps_root=0`` this is ``torch.optim.Adam``'s ``m / bc1 / (sqrt(v) / sqrt(bc2) + eps)``; with
     ``amsgrad`` the running maximum of the (uncorrected) second moment replaces it, as in torch.
+    ``betas_in_state``: ``b1``, ``b2`` are settable, differentiable hyperparameters in the state
+    (:mod:`functrain.optim.state_betas`).
 
     Example:
         >>> tx = scale_by_adam()
@@ -318,6 +339,11 @@ def scale_by_adam(
     def update(
         updates: PyTree, state: ScaleByAdamState, params: PyTree | None = None
     ) -> tuple[PyTree, ScaleByAdamState]:
+        return update_with(updates, state, params, b1, b2)
+
+    def update_with(
+        updates: PyTree, state: ScaleByAdamState, params: PyTree | None, b1: Beta, b2: Beta
+    ) -> tuple[PyTree, ScaleByAdamState]:
         moments = (state.mu, state.nu, state.nu_max) if amsgrad else (state.mu, state.nu)
         grads, state_leaves, spec = flatten_matching(who, updates, *moments)
         count = state.count + 1
@@ -325,7 +351,7 @@ def scale_by_adam(
             return updates, state.replace(count=count)
         mu = foreach.lerp(state_leaves[0], grads, 1.0 - b1)
         nu = foreach.mul(state_leaves[1], b2)
-        foreach.addcmul_(nu, grads, grads, 1.0 - b2)
+        _add_scaled_square(nu, grads, 1.0 - b2)
         nu_max = foreach.maximum(state_leaves[2], nu) if amsgrad else None
         second = nu_max if amsgrad else nu
         bias_correction1 = _one_minus_pow(b1, count)
@@ -350,6 +376,8 @@ def scale_by_adam(
         )
         return tree.unflatten(spec, direction), new_state
 
+    if betas_in_state:
+        return with_betas_in_state(init, update_with, b1, b2)
     return GradientTransformation(init, update)
 
 
@@ -456,8 +484,11 @@ class ScaleByLionState:
     mu: PyTree
 
 
-def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
+def scale_by_lion(b1: float = 0.9, b2: float = 0.99, betas_in_state: bool = False) -> GradientTransformation:
     """Lion's direction ``sign(b1 * m + (1 - b1) * g)``, then ``m = b2 * m + (1 - b2) * g``.
+
+    ``betas_in_state``: ``b1``, ``b2`` are settable, differentiable hyperparameters in the state
+    (:mod:`functrain.optim.state_betas`).
 
     Example:
         >>> tx = scale_by_lion()
@@ -473,6 +504,11 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
     def update(
         updates: PyTree, state: ScaleByLionState, params: PyTree | None = None
     ) -> tuple[PyTree, ScaleByLionState]:
+        return update_with(updates, state, params, b1, b2)
+
+    def update_with(
+        updates: PyTree, state: ScaleByLionState, params: PyTree | None, b1: Beta, b2: Beta
+    ) -> tuple[PyTree, ScaleByLionState]:
         grads, (mu,), spec = flatten_matching(who, updates, state.mu)
         if not grads:
             return updates, state
@@ -480,6 +516,8 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
         new_mu = foreach.lerp(mu, grads, 1.0 - b2)
         return tree.unflatten(spec, direction), ScaleByLionState(mu=tree.unflatten(spec, new_mu))
 
+    if betas_in_state:
+        return with_betas_in_state(init, update_with, b1, b2)
     return GradientTransformation(init, update)
 
 
