@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -98,6 +99,18 @@ def run(tree: Path, what: str, cache: str) -> float:
     return float(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
+def rounds(args: argparse.Namespace, trees: dict[str, Path], results: dict, scratch: str) -> None:
+    """``args.rounds`` rounds of every measure, the trees alternating, cache dirs under ``scratch``."""
+    for r in range(args.rounds):
+        caches = {side: tempfile.mkdtemp(prefix=f"{side}-", dir=scratch) for side in trees}  # cold, then warm
+        for what in args.measures:
+            for side in ("before", "after") if r % 2 == 0 else ("after", "before"):
+                shared = caches[side] if what in ("cold", "warm") else tempfile.mkdtemp(dir=scratch)
+                results[what][side].append(run(trees[side], what, shared))
+        last = {w: {k: v[-1] for k, v in sides.items()} for w, sides in results.items()}
+        print(f"round {r + 1}/{args.rounds}: {json.dumps(last)}", file=sys.stderr)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -109,16 +122,11 @@ def main() -> None:
     args = parser.parse_args()
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
     results: dict[str, dict[str, list[float]]] = {m: {"before": [], "after": []} for m in args.measures}
-    for r in range(args.rounds):
-        caches = {side: tempfile.mkdtemp(prefix=f"house-{side}-") for side in trees}  # cold, then warm
-        for what in args.measures:
-            for side in ("before", "after") if r % 2 == 0 else ("after", "before"):
-                shared = caches[side] if what in ("cold", "warm") else tempfile.mkdtemp(prefix="house-")
-                results[what][side].append(run(trees[side], what, shared))
-        print(
-            f"round {r + 1}/{args.rounds}: {json.dumps({w: {k: v[-1] for k, v in s.items()} for w, s in results.items()})}",
-            file=sys.stderr,
-        )
+    scratch = tempfile.mkdtemp(prefix="house-")  # every cache dir lives here, removed at the end
+    try:
+        rounds(args, trees, results, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     print("| measure | before (median) | after (median) | after / before |")
     print("|---|---|---|---|")
     for what, sides in results.items():
