@@ -35,7 +35,8 @@ import torch
 
 from functrain.compile import compile_times
 from functrain.compile.wrappers import device_of
-from functrain.step import Step, as_step, num_examples
+from functrain.step import Step, as_step
+from functrain.step.batch import is_short
 
 __all__ = [
     "Policy",
@@ -283,7 +284,7 @@ class TieredStep:
         return self.tier
 
     def __call__(self, state: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.current_tier == INDUCTOR and not self._short(args):
+        if self.current_tier == INDUCTOR and not (args and is_short(args[0], self.rows)):
             if self._inductor is None:
                 self._inductor = self._build()
             return self._inductor(state, *args, **kwargs)
@@ -304,16 +305,6 @@ class TieredStep:
             self.eager_cpu_seconds.append(self._cpu_clock() - cpu)
         self._warmed_up = True
         return out
-
-    def _short(self, args: tuple) -> bool:
-        """Whether the batch has fewer than :attr:`rows` examples (a set's short last batch): it runs on
-        the eager step instead of compiling a second graph, by its shape alone, so a resume chooses alike."""
-        if self.rows is None or not args:
-            return False
-        try:
-            return num_examples(args[0]) < self.rows
-        except ValueError:  # no tensor of rank >= 1
-            return False
 
     def _cost(self) -> float:
         """The inductor tiers' build cost: this step's, plus its followers' (forward-only graphs)."""

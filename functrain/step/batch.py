@@ -23,6 +23,7 @@ __all__ = [
     "Batch",
     "LossFn",
     "inputs_and_target",
+    "is_short",
     "loss_over_real_rows",
     "mask_parts",
     "metric_inputs",
@@ -91,6 +92,22 @@ def num_examples(batch: Batch) -> int:
         if isinstance(x, torch.Tensor) and x.ndim > 0:
             return int(x.shape[0])
     raise ValueError("cannot count the examples of a batch without any tensor of rank >= 1")
+
+
+def is_short(batch: Batch, rows: int | None) -> bool:
+    """Whether ``batch`` has fewer than ``rows`` examples (a set's short last batch; ``rows=None``, or a
+    batch without a tensor of rank >= 1: no). Read from shapes, so a resume decides alike.
+
+    Example:
+        >>> is_short((torch.zeros(3, 2),), 4), is_short((torch.zeros(4, 2),), 4)
+        (True, False)
+    """
+    if rows is None:
+        return False
+    try:
+        return num_examples(batch) < rows
+    except ValueError:
+        return False
 
 
 def split_batch(batch: Batch, k: int) -> list[Batch]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from functrain.jit import CompiledStep
-from functrain.step.batch import num_examples
+from functrain.step.batch import is_short
 
 __all__ = ["EagerShortBatches"]
 
@@ -36,19 +36,10 @@ class EagerShortBatches(CompiledStep):
         self.rows = rows
 
     def __call__(self, state: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-        rows = _rows(batch)
-        if not self.compile or rows is None or rows >= self.rows:
+        if not self.compile or not is_short(batch, self.rows):
             return super().__call__(state, batch, *args, **kwargs)
         self.compile = False  # CompiledStep's eager path: seeded and donated as a compiled call
         try:
             return super().__call__(state, batch, *args, **kwargs)
         finally:
             self.compile = True
-
-
-def _rows(batch: Any) -> int | None:
-    """The batch's examples, or ``None`` for a batch without a tensor of rank >= 1."""
-    try:
-        return num_examples(batch)
-    except ValueError:
-        return None
