@@ -195,7 +195,7 @@ class TensorParallel(Replicated):
             self.placements[name] = (Replicate(),) if dim is None else (Shard(dim),)
         self.model = model
         self.group = mesh.get_group()
-        self.norm = self._norms if mesh.size() > 1 else None
+        self.norm = self._norms  # a mesh of one too: DTensor leaves, plain norms (the loop sums them)
         self.request = self  # what a TrainState.layout's readers ask (request.shards_params)
 
     # ------------------------------------------------------------------ the state
