@@ -79,7 +79,7 @@ def test_compiled_tp2_by_dp2_equals_one_process_and_compiles_once(tmp_path: str)
 def test_a_gathered_checkpoint_resumes_bitwise_on_tp2_and_on_one_process(eager: list[dict]) -> None:
     for out in eager:
         resume = out["resume"]
-        assert "a DTensor" in resume["dtensor_save"] and "tp.gather(state)" in resume["dtensor_save"], resume
+        assert resume["dtensor_save"] == 0.0, resume  # a placed state is saved whole (it was refused)
         assert resume["roundtrip"] == 0.0 and resume["resumed_vs_uninterrupted"] == 0.0, resume
     # the file the 2 ranks wrote, on one process: the same 4 last steps
     net = worker.model()

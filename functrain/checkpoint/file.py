@@ -24,6 +24,7 @@ from functrain.checkpoint import structure
 from functrain.checkpoint.errors import CheckpointError
 from functrain.checkpoint.format import CheckpointHeader, TensorInfo
 from functrain.checkpoint.onto import fit_checkpoint_hint, restore_onto
+from functrain.checkpoint.placed import describe_saved_layout, gather_placed
 from functrain.core.atomic import atomic_write
 from functrain.core.tree_walk import Path, leaves_with_paths
 
@@ -48,9 +49,15 @@ def save(
     :func:`read_header` without loading tensors. ``fsync=False`` skips the flush to disk (faster; the
     replacement stays atomic for other processes, but may not survive a power cut).
 
+    A tensor-parallel state (``tp.place(state)``, anywhere in ``state``) is saved whole: it is gathered
+    first, so **every rank of its mesh calls** ``save``, and every calling rank writes ``path`` (the same
+    bytes; a :class:`~functrain.checkpoint.CheckpointManager` writes on one rank). Its layout goes in the
+    metadata; see :mod:`functrain.checkpoint.placed`.
+
     Example:
         >>> save("run/final.ckpt", state, step=1000, metrics={"loss": 0.25})  # doctest: +SKIP
     """
+    state, layouts = gather_placed(state)
     node, tensors = structure.encode(state)
     write_encoded(
         path,
@@ -58,7 +65,7 @@ def save(
         tensors,
         step=step,
         metrics=metrics,
-        metadata=metadata,
+        metadata={**dict(metadata or {}), **layouts},
         fsync=fsync,
         chunk_bytes=chunk_bytes,
     )
@@ -162,7 +169,9 @@ def restore(path: PathLike, target: Any = None) -> Any:
     are checked first, from the header alone, and every mismatch is reported by path in one
     :class:`CheckpointError`. Without ``target``, plain containers come back: structs as dicts of their
     data fields, named tuples as tuples. A ``TrainState``'s optimizer is code, not in the file: restore
-    one onto a state built as before (a step refuses the plain dict, naming ``target=``).
+    one onto a state built as before (a step refuses the plain dict, naming ``target=``). A
+    tensor-parallel target is placed by its strategy (collective: every rank of its mesh calls
+    ``restore``), whatever layout wrote the file.
 
     Example:
         >>> state = restore("run/state.ckpt", target=TrainState.create(model, tx))  # doctest: +SKIP
@@ -185,6 +194,8 @@ def restore(path: PathLike, target: Any = None) -> Any:
             hint = fit_checkpoint_hint(root_keys(header.tree), target) or (
                 "restore without a target to inspect it, or build a target of the saved shape"
             )
+            layout = describe_saved_layout(header.metadata)
+            hint = f"{hint}; {layout}" if layout else hint
             raise CheckpointError(
                 f"{name} does not match the target ({len(problems)} problem(s)); {hint}:\n  {listing}"
             )

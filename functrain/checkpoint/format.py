@@ -170,9 +170,9 @@ def _refuse_dtensor(t: torch.Tensor, where: str) -> None:
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     if dtensor is not None and isinstance(t, dtensor):
         raise CheckpointError(
-            f"{where}: a DTensor (this rank's part of a tensor-parallel state) cannot be saved by one "
-            "process; save tp.gather(state) (whole tensors; every rank calls it) and resume with "
-            "tp.place(restored)"
+            f"{where}: a DTensor (this rank's part of a tensor) outside a tensor-parallel TrainState cannot "
+            "be saved by one process: save a state placed by tp.place(state) (saved whole, every rank "
+            "calling save), or the DTensor's .full_tensor()"
         )
 
 

@@ -20,6 +20,7 @@ from typing import Any, Literal
 import torch
 
 from functrain.checkpoint.errors import CheckpointError
+from functrain.checkpoint.placed import gather_placed
 from functrain.checkpoint.sources import checkpoint_weights, import_safetensors
 from functrain.core.atomic import atomic_write, temporary_path
 
@@ -42,9 +43,12 @@ def to_state_dict(state: Any, *, tied_parameters: Mapping[str, str] | None = Non
     ``state`` is a TrainState-like struct or a dict with ``"params"`` and ``"buffers"`` (what
     :func:`functrain.checkpoint.restore` returns without a target).
 
+    A tensor-parallel state gives whole tensors (gathered: every rank of its mesh calls it).
+
     Example:
         >>> module.load_state_dict(to_state_dict(state), strict=True)  # doctest: +SKIP
     """
+    state, _ = gather_placed(state)
     state_dict = {**_group(state, "params"), **_group(state, "buffers")}
     for alias, canonical in (tied_parameters or {}).items():
         if canonical not in state_dict:

@@ -33,6 +33,7 @@ from functrain.checkpoint import format as fmt
 from functrain.checkpoint import structure
 from functrain.checkpoint.errors import CheckpointError
 from functrain.checkpoint.folder import CheckpointFolder
+from functrain.checkpoint.placed import gather_placed
 from functrain.checkpoint.shard_shapes import sharded_states
 from functrain.core.atomic import TMP_MARKER, drop_cached_pages, fsync_directory, is_abandoned
 from functrain.distributed.env import is_main_process
@@ -123,7 +124,9 @@ class CheckpointManager(CheckpointFolder):
         """Save ``state`` as the checkpoint of ``step`` (replacing one of the same step), then apply retention.
 
         ``metrics`` are numbers (0-d tensors are converted); ``metadata`` is JSON-like and stored in the
-        header, e.g. ``{"tied_parameters": {"head.weight": "embed.weight"}}``.
+        header, e.g. ``{"tied_parameters": {"head.weight": "embed.weight"}}``. A tensor-parallel state is
+        gathered whole first (every rank calls ``save``; the writer writes; see
+        :mod:`functrain.checkpoint.placed`).
 
         Example:
             >>> manager.save(int(state.step), state, metrics={"loss": loss})  # doctest: +SKIP
@@ -135,6 +138,8 @@ class CheckpointManager(CheckpointFolder):
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointError(f"step={step!r} must be a non-negative int")
         _refuse_sharded(state)
+        state, layouts = gather_placed(state)  # a tensor-parallel state whole: every rank takes part
+        metadata = {**dict(metadata or {}), **layouts}
         if not self.is_writer:
             return
         node, tensors = structure.encode(state)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from functrain import tree
+from functrain.checkpoint.placed import place_restored
 from functrain.checkpoint.shard_shapes import WHOLE_SHAPE, sharded_leaves
 from functrain.core.tree_walk import Path, children, leaves_with_paths, rebuild_node
 
@@ -25,6 +26,9 @@ def restore_onto(target: Any, raw: Any, where: str = "state") -> Any:
     """``raw`` (what :func:`~functrain.checkpoint.restore` or ``CheckpointManager.restore`` return without a
     target: plain containers) in ``target``'s structure and container types, each tensor on the device of
     the target tensor it replaces; entries of ``raw`` that ``target`` lacks are left out.
+
+    A tensor-parallel state in ``target`` (``tp.place(state)``) gets the whole tensors placed by its own
+    strategy, whatever layout saved them (collective: every rank of its mesh calls ``restore_onto``).
 
     Every leaf is checked (present, a tensor where the target has one, same shape and dtype) and all
     mismatches are reported together, by path, in one ``ValueError``. ``where`` names ``target`` in them
@@ -81,7 +85,7 @@ def restore_onto(target: Any, raw: Any, where: str = "state") -> Any:
         raise ValueError(
             f"the checkpoint does not match this run's state ({hint}):\n  " + "\n  ".join(problems[:30])
         )
-    return out
+    return place_restored(out)  # a tensor-parallel target's whole tensors, placed as its strategy splits them
 
 
 def fit_checkpoint_hint(saved_keys: Iterable[Any], target: Any, sharded: bool = False) -> str:

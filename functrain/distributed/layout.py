@@ -16,7 +16,18 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["LayoutMismatchError", "check_resume", "layout", "loader_layout"]
+__all__ = [
+    "TENSOR_PARALLEL",
+    "LayoutMismatchError",
+    "check_resume",
+    "layout",
+    "loader_layout",
+    "tensor_parallel_layout",
+]
+
+TENSOR_PARALLEL = "tensor_parallel"
+"""The metadata key of a tensor-parallel state's layout (:func:`tensor_parallel_layout`), by the state's
+path in the saved tree."""
 
 
 class LayoutMismatchError(ValueError):
@@ -55,6 +66,27 @@ def loader_layout(loader: Any) -> dict[str, Any]:
     if not isinstance(batch_size, int) or not isinstance(world, int):
         return {}
     return layout(batch_size, world)
+
+
+def tensor_parallel_layout(strategy: Any) -> dict[str, Any]:
+    """Checkpoint metadata describing a ``TensorParallel`` strategy's layout: the tp and dp sizes, the
+    plan, and the dim each split param is split on (the file itself holds whole tensors).
+
+    Example:
+        >>> tensor_parallel_layout(tp)  # doctest: +SKIP
+        {'tp': 2, 'dp': 2, 'plan': {'*attn.q': 'colwise', ...}, 'split': {'blocks.0.attn.q.weight': 0, ...}}
+    """
+    dp = getattr(strategy, "dp", None)
+    return {
+        "tp": strategy.mesh.size(),
+        "dp": 1 if dp is None else dp.group.size(),
+        "plan": dict(strategy.plan),
+        "split": {
+            name: placement[0].dim
+            for name, placement in strategy.placements.items()
+            if placement and placement[0].is_shard()
+        },
+    }
 
 
 def check_resume(saved_metadata: dict[str, Any], current: dict[str, Any]) -> None:
