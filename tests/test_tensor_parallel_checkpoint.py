@@ -60,6 +60,9 @@ def test_the_file_resumes_on_another_layout(layouts: list[dict], name: str) -> N
         assert resumed["loaded_placed"] and resumed["resumed_placed"], resumed
         assert resumed["loaded_vs_uninterrupted"] == 0.0 and resumed["targeted_vs_uninterrupted"] == 0.0
         assert resumed["resumed_step"] == worker.STEPS, resumed
+        # init_weights_from a tp 2 x dp 2 file onto this layout: the weights placed, the moments its own
+        assert resumed["init_weights_placed"] and resumed["init_weights_vs_file"] == 0.0, resumed
+        assert resumed["init_weights_moments_kept"] == 0.0, resumed
         if name == "tp2xdp2":  # the layout that wrote it: bitwise the uninterrupted run to the end
             assert resumed["resumed_vs_uninterrupted"] == 0.0 and resumed["its_file_vs_uninterrupted"] == 0.0
         else:

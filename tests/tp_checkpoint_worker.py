@@ -129,7 +129,14 @@ def layouts(out_dir: str) -> dict[str, Any]:
         targeted = manager.restore(SAVED, target={"state": fresh, "loop": {"position": 0}})["state"]
         resumed, _ = train(loaded, step, data, SAVED, manager)
         whole = strategy.gather(resumed)
+        # the weights alone (fine-tuning): filled whole, placed again; the fresh moments kept
+        weights, report = ft.checkpoint.init_weights_from(saved, fresh, strict=True)
         out[name] = {
+            "init_weights_placed": split_as_planned(strategy, weights) and report.complete,
+            "init_weights_vs_file": base.max_diff(strategy.gather(weights).params, kept[SAVED].params),
+            "init_weights_moments_kept": base.max_diff(
+                strategy.gather(weights).opt_state, strategy.gather(fresh).opt_state
+            ),
             "loaded_placed": split_as_planned(strategy, loaded) and split_as_planned(strategy, targeted),
             "loaded_vs_uninterrupted": base.max_diff(strategy.gather(loaded), kept[SAVED]),
             "targeted_vs_uninterrupted": base.max_diff(strategy.gather(targeted), kept[SAVED]),

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import torch
 
 from functrain.checkpoint.errors import CheckpointError
+from functrain.checkpoint.placed import strategy_of
 from functrain.checkpoint.sources import load_weights
 
 __all__ = ["InitReport", "init_weights_from"]
@@ -78,13 +79,20 @@ def init_weights_from(
     dtypes (a different dtype in the source is cast, and reported). ``key_map`` renames source keys
     (return ``None`` to drop one); alias keys of ``tied_parameters`` (``{alias: canonical}``, read from a
     functrain checkpoint's metadata when not given) are not counted as unused. With ``strict=True``
-    anything skipped or left at its initial value raises a CheckpointError carrying the report.
+    anything skipped or left at its initial value raises a CheckpointError carrying the report. A
+    tensor-parallel state (``tp.place(state)``) is filled whole and placed again: every rank calls it.
 
     Example:
         >>> new_state, report = init_weights_from("backbone.safetensors", state)  # doctest: +SKIP
         >>> report.initial  # doctest: +SKIP
         ['head.bias', 'head.weight']
     """
+    strategy = strategy_of(state)
+    if strategy is not None:  # tensor parallelism: filled whole, placed again (collective)
+        whole, report = init_weights_from(
+            source, strategy.gather(state), strict=strict, key_map=key_map, tied_parameters=tied_parameters
+        )
+        return strategy.place(whole), report
     for group in ("params", "buffers"):
         if not isinstance(getattr(state, group, None), Mapping):
             raise CheckpointError(

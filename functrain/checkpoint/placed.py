@@ -31,7 +31,7 @@ from functrain import tree
 from functrain.core.tree_walk import Path, children, rebuild_node
 from functrain.distributed.layout import TENSOR_PARALLEL, tensor_parallel_layout
 
-__all__ = ["describe_saved_layout", "gather_placed", "place_restored", "placed_states"]
+__all__ = ["describe_saved_layout", "gather_placed", "place_restored", "placed_states", "strategy_of"]
 
 
 def _strategy_type() -> type | None:
@@ -41,15 +41,26 @@ def _strategy_type() -> type | None:
     return getattr(module, "TensorParallel", None)
 
 
+def strategy_of(state: Any) -> Any | None:
+    """The ``TensorParallel`` strategy ``state`` is placed by (its ``layout``), else ``None``.
+
+    Example:
+        >>> strategy_of({"w": 1}) is None
+        True
+    """
+    strategy = _strategy_type()
+    layout = getattr(state, "layout", None)
+    return layout if strategy is not None and isinstance(layout, strategy) else None
+
+
 def _map_placed(obj: Any, fn: Callable[[Path, Any], Any]) -> Any:
     """``obj`` with every state whose ``layout`` is a ``TensorParallel`` replaced by ``fn(path, state)``,
     wherever it sits (the state itself, or inside containers: ``fit`` saves ``{"state": ..., "loop": ...}``)."""
-    strategy = _strategy_type()
-    if strategy is None:
+    if _strategy_type() is None:
         return obj
 
     def walk(node: Any, path: Path) -> Any:
-        if isinstance(getattr(node, "layout", None), strategy):
+        if strategy_of(node) is not None:
             return fn(path, node)
         found = children(node)
         if found is None:
