@@ -10,15 +10,13 @@ the same YAML in one process.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import tp_trainer_fixtures as fixtures
-from test_sharding_torchrun import _free_port, _torchrun
+from test_sharding_torchrun import _torchrun
+from test_sharding_trainer import _torchrun_cli
 from trainer_fixtures import SmallNet
 
 import functrain as ft
@@ -213,19 +211,6 @@ def test_ranks_of_a_tp_group_given_other_batches_are_refused_naming_them(runs: l
         # a second batch that differs: seen on every step with check_batches="every", not by default
         assert out["second_batch"]["first"] == "", out["second_batch"]
         assert "different batches for training step 14" in out["second_batch"]["every"], out["second_batch"]
-
-
-def _torchrun_cli(cwd: Path, *argv: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    root = os.path.dirname(os.path.dirname(ft.__file__))  # the functrain under test
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([root, str(HERE), env.get("PYTHONPATH", "")]))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-        "-m", "functrain", "train", *argv,
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-4000:]}"
-    return proc
 
 
 @pytest.mark.slow
