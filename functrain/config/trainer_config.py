@@ -162,6 +162,36 @@ def _sharding_level(value: Any, path: str) -> Any:
     return SHARDING_ALIASES.get(lowered, lowered if lowered in get_args(ShardingLevel) else value)
 
 
+def _tp_plan(value: Any, path: str) -> Any:
+    """``tensor_parallel_plan``: a mapping of non-empty names or globs to one of the plan's styles."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or not value:
+        raise ConfigError.single(
+            path,
+            f"expected a mapping of submodule globs to styles, got {value!r}",
+            "write e.g. {'*attn.q': colwise}",
+        )
+    styles = ("colwise", "rowwise", "replicate")
+    problems = [
+        Problem(
+            f"{path}.{name}",
+            f"style {style!r} is not one of {list(styles)}",
+            "use colwise, rowwise or replicate",
+        )
+        for name, style in value.items()
+        if style not in styles
+    ]
+    problems += [
+        Problem(path, f"{name!r} is not a submodule name or glob", "write e.g. '*attn.q'")
+        for name in value
+        if not isinstance(name, str) or not name.strip()
+    ]
+    if problems:
+        raise ConfigError(problems)
+    return dict(value)
+
+
 def _false_is_off(value: Any, path: str) -> Any:
     """An optional section (early_stopping, ema) written as ``false`` is off, as ``null`` is."""
     return None if value is False else value
@@ -407,6 +437,29 @@ class TrainerConfig(ConfigSection):
         "every nn.ModuleList of 2+ modules of one class), or class names and submodule names (as HF's "
         "transformer_layer_cls_to_wrap). null: the step gathers the whole model.",
         normalize=_block_names,
+    )
+    tensor_parallel: int = option(
+        1,
+        doc="Split each layer's matmuls over this many torchrun ranks (tensor parallelism, DTensor params): a "
+        "(dp, tp) mesh of world_size/N x N, each dp group reading its own slice of the data and its N ranks "
+        "the same batch. The plan: tensor_parallel_plan, else the first of functrain.distributed's GPT_PLAN "
+        "(nanoGPT-style attn.q/k/v/proj, mlp.fc/proj), GPT2_PLAN (Hugging Face GPT-2), LLAMA_PLAN (Hugging Face "
+        "Llama) whose every entry names layers of the model. 1: off. Not with sharding, sweep, fp16, DP-SGD, "
+        "SAM, or checkpoints (save_strategy: no) yet.",
+        minimum=1,
+    )
+    tensor_parallel_plan: dict[str, Literal["colwise", "rowwise", "replicate"]] | None = option(
+        None,
+        doc="With tensor_parallel > 1: submodule names or globs -> 'colwise', 'rowwise' or 'replicate' "
+        "(functrain.distributed.tensor_parallel's plan), e.g. {'*attn.q': colwise, '*attn.proj': rowwise}; "
+        "null: a ready plan chosen for the model.",
+        normalize=_tp_plan,
+    )
+    tensor_parallel_check_batches: Literal["first", "every"] = option(
+        "first",
+        doc="With tensor_parallel > 1: compare a digest of the batch over each tp group (one small "
+        "collective; an error names the ranks) on the first step of a run, or on every step (debugging: "
+        "each batch is read back to the host).",
     )
     # -- sweeps (functrain.ensemble)
     sweep: dict[str, list[Any]] = option(
@@ -656,15 +709,28 @@ class TrainerConfig(ConfigSection):
 
     @rule("sharding", "sweep", "mixed_precision")
     def _sharding_supported(self) -> Iterable[Problem]:
-        if self.sharding == "none":
+        if self.sharding != "none":
+            yield from _refused(self, _NOT_SHARDED, f"sharding={self.sharding!r}", "sharding=none")
+
+    @rule("tensor_parallel", "tensor_parallel_plan", "tensor_parallel_check_batches")
+    def _tensor_parallel_fields_need_it(self) -> Iterable[Problem]:
+        if self.tensor_parallel > 1:
             return
-        for name, (on, why, fix) in _NOT_SHARDED.items():
-            if on(self):
+        for name, unset in (("tensor_parallel_plan", None), ("tensor_parallel_check_batches", "first")):
+            if getattr(self, name) != unset:
                 yield Problem(
-                    name,
-                    f"is not supported with sharding={self.sharding!r}: {why}",
-                    f"{fix}, or set sharding=none",
+                    name, "only applies with tensor_parallel > 1, but tensor_parallel is 1", f"remove {name}"
                 )
+
+    @rule(
+        "tensor_parallel", "sharding", "sweep", "mixed_precision", "dp_l2_norm_clip", "sam_rho", "save_strategy",
+        "resume_from_checkpoint",
+    )  # fmt: skip
+    def _tensor_parallel_supported(self) -> Iterable[Problem]:
+        if self.tensor_parallel > 1:
+            yield from _refused(
+                self, _NOT_WITH_TP, f"tensor_parallel={self.tensor_parallel}", "tensor_parallel=1"
+            )
 
     @rule("dp_l2_norm_clip", "dp_noise_multiplier", "dp_target_epsilon")
     def _one_dp_noise(self) -> Iterable[Problem]:
@@ -769,6 +835,43 @@ _NOT_SHARDED: dict[str, tuple[Any, str, str]] = {
         "remove sam_rho",
     ),
 }
+
+# What a tensor-parallel state (DTensor params, functrain.distributed.tensor_parallel) refuses, in config
+# terms: what a sharded state refuses, and more; the checkpoint entries go once the loop saves a TP state.
+_NOT_WITH_TP: dict[str, tuple[Any, str, str]] = {
+    "sharding": (
+        lambda c: c.sharding != "none",
+        "ZeRO over the dp axis of a tp mesh is not supported yet (its shards know no DTensor parts)",
+        "set sharding=none",
+    ),
+    **_NOT_SHARDED,
+    "dp_l2_norm_clip": (
+        lambda c: c.dp_l2_norm_clip is not None,
+        "per-example gradients of DTensor params are not supported",
+        "remove dp_l2_norm_clip",
+    ),
+    "save_strategy": (
+        lambda c: c.save_strategy != "no",
+        "the loop's checkpoints of a tensor-parallel state are not written yet (the checkpoint format "
+        "refuses DTensors; Trainer.save writes the gathered state)",
+        "set save_strategy=no",
+    ),
+    "resume_from_checkpoint": (
+        lambda c: c.resume_from_checkpoint is not False,
+        "the loop's checkpoints of a tensor-parallel state are not written yet",
+        "set resume_from_checkpoint=false (Trainer.load reads a gathered state)",
+    ),
+}
+
+
+def _refused(
+    config: TrainerConfig, table: Mapping[str, tuple[Any, str, str]], setting: str, off: str
+) -> Iterable[Problem]:
+    """A problem for each field of ``table`` (field -> (whether the config uses it, why, fix)) that the
+    config uses, refused with ``setting`` (``"sharding='params'"``): its fix, or ``off``."""
+    for name, (on, why, fix) in table.items():
+        if on(config):
+            yield Problem(name, f"is not supported with {setting}: {why}", f"{fix}, or set {off}")
 
 
 def _steps_match_strategy(kind: str, strategy: str, steps: int | None) -> Iterable[Problem]:

@@ -30,6 +30,7 @@ def as_loader(
     *,
     shuffle: bool,
     shard: bool = False,
+    ranks: tuple[int, int] | None = None,
     device: torch.device | None = None,
     options: Mapping[str, Any] | None = None,
 ) -> Loader:
@@ -37,7 +38,9 @@ def as_loader(
 
     A ``Loader`` is used as it is (moved to ``device`` when it has none), a ``DataLoader`` is wrapped, a
     dataset is batched by ``batch_size``: shuffled by ``key`` when ``shuffle``, each rank reading its slice
-    of the same per-epoch permutation when ``shard`` (``batch_size`` is per rank). ``options`` are the
+    of the same per-epoch permutation when ``shard`` (``batch_size`` is per rank; ``ranks``: the
+    ``(rank, world_size)`` slice to read, default this process among all: tensor parallelism's tp groups
+    read one slice each, :mod:`functrain.distributed.data_ranks`). ``options`` are the
     dataset Loader's own arguments (``drop_last``, ``collate_fn``, ``num_workers``, ``pin_memory``,
     ``device``: the Trainer's config), used as they are; without them, on CUDA the host batches are pinned
     and copied without blocking, ahead of the step, by the Loader's prefetch thread, and a stream (an
@@ -56,10 +59,11 @@ def as_loader(
         )
     if isinstance(data, torch.utils.data.DataLoader):
         return Loader(data, device=device)
-    ranks = {"rank": distributed.rank(), "world_size": distributed.world_size()} if shard else {}
+    rank, world = ranks if ranks is not None else (distributed.rank(), distributed.world_size())
+    sliced = {"rank": rank, "world_size": world} if shard else {}
     if options is not None:
-        return Loader(data, batch_size, key=key, shuffle=shuffle, **ranks, **options)
+        return Loader(data, batch_size, key=key, shuffle=shuffle, **sliced, **options)
     pin = device is not None and device.type == "cuda"
     if is_stream(data):  # read in its own order; the key seeds its workers
         return Loader(data, batch_size, key=key, pin_memory=pin, device=device)
-    return Loader(data, batch_size, key=key, shuffle=shuffle, pin_memory=pin, device=device, **ranks)
+    return Loader(data, batch_size, key=key, shuffle=shuffle, pin_memory=pin, device=device, **sliced)

@@ -16,6 +16,7 @@ import torch
 from functrain import distributed, random, tree
 from functrain.callbacks.base import Callback, Context
 from functrain.data import padding
+from functrain.distributed.data_ranks import data_ranks, plain_outputs
 from functrain.loop.data import as_loader, batch_device, scalar_dict
 from functrain.loop.events import Events
 from functrain.step import as_step
@@ -35,7 +36,8 @@ def evaluate(
 ) -> dict[str, float]:
     """Run ``eval_step`` over ``data`` and return example-weighted metrics over the whole set.
 
-    The loss is weighted by each batch's example count (a short last batch counts for what it holds);
+    Under tensor parallelism each tp group evaluates its slice of the data (the group's ranks together)
+    and its first rank counts it. The loss is weighted by each batch's example count (a short last batch counts for what it holds);
     metric states are merged across batches and computed once, so accuracy, F1 and the rest equal the
     metric over the whole set. One host sync at the end. A short last batch is padded to the batch size
     with a mask of its real rows (:mod:`functrain.data.padding`): the step compiles once.
@@ -45,9 +47,11 @@ def evaluate(
         >>> sorted(metrics)
         ['eval/loss']
     """
+    ranks = data_ranks(state)  # tensor parallelism: a slice per tp group, counted by its first rank
     loader = as_loader(
-        data, batch_size, random.key(0), "evaluate", shuffle=False, shard=True, device=batch_device(state)
-    )
+        data, batch_size, random.key(0), "evaluate", shuffle=False, shard=True,
+        ranks=(ranks.rank, ranks.world_size), device=batch_device(state),
+    )  # fmt: skip
     events = Events(callbacks)
     ctx = ctx or Context()
     ctx.phase = "eval"
@@ -56,11 +60,12 @@ def evaluate(
     for batch, real in padding.padded(loader.epoch(0), spec.masked_batches, loader.batch_size):
         ctx.batch = batch
         state = events("eval_batch_begin", state, ctx)
-        out = eval_step(state, batch)
+        out = plain_outputs(eval_step(state, batch), ranks)
         n = int(out["num_examples"]) if real is None else real
         if n == 0:
             continue  # an empty shard of a distributed last batch
-        sums.add(out, n)
+        if ranks.counts:  # a tp group's other ranks computed the same sums
+            sums.add(out, n)
         state = events("eval_batch_end", state, ctx)
     ctx.batch = None
     ctx.phase = "train"
@@ -122,10 +127,11 @@ def predict(
     loader = as_loader(data, batch_size, random.key(0), "predict", shuffle=False, device=batch_device(state))
 
     masked = as_step(predict_step).masked_batches
+    ranks = data_ranks(state)  # tensor parallelism: the outputs as whole plain tensors
 
     def stream() -> Iterator[Any]:
         for batch, real in padding.padded(loader.epoch(0), masked, loader.batch_size):
-            yield padding.unpad(predict_step(state, batch), batch, real)
+            yield padding.unpad(plain_outputs(predict_step(state, batch), ranks), batch, real)
 
     if not collect:
         return stream()

@@ -8,7 +8,7 @@ The loop: the batches, the step, and the :class:`Run` before and after it
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -45,6 +45,7 @@ def fit(
     resume_from_checkpoint: bool | int | str = False,
     progress_bar: bool = True,
     history: History | None = None,
+    check_batches: Literal["first", "every"] = "first",
 ) -> FitResult:
     """Train: fold ``train_step`` over ``train_data`` for ``epochs`` or ``max_steps`` optimizer steps.
 
@@ -86,6 +87,11 @@ def fit(
             Hugging Face's ``Trainer.train(resume_from_checkpoint=)``.)
         progress_bar: show a progress bar (``tqdm.auto``: terminal and notebook), as
             ``TrainerConfig.progress_bar``.
+        check_batches: a tensor-parallel state (``tensor_parallel(...).place``) trains each tp group's
+            ranks on one batch: the data is sliced by the dp rank only, and a digest of the batch is
+            compared over the group (one small collective; raises naming the ranks) on the ``"first"``
+            step of the call, or on ``"every"`` step (a debug setting: it reads each batch back to the
+            host); ``TrainerConfig.tensor_parallel_check_batches``.
 
     Returns:
         :class:`FitResult` with the final state, the history and the last evaluation.
@@ -110,6 +116,7 @@ def fit(
         loggers=tuple(loggers),
         checkpoints=checkpoints,
         history=history,
+        check_batches=check_batches,
     )
     run, state = Run.start(state, train_step, train_data, options)  # checked, resumed; train_begin fired
     try:

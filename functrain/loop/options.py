@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 from functrain.callbacks.base import Callback
 from functrain.logging import History
@@ -29,7 +29,9 @@ class FitOptions:
     dataset; ``eval_step``/``eval_data``: evaluation, both or neither; ``eval_every``/``save_every``: when (as
     :class:`Every` schedules: ``evals``, ``saves``); ``log_steps``: log every this many steps; ``resume``: ``fit``'s
     ``resume_from_checkpoint``; ``progress_bar``: add a bar when no callback is one; ``callbacks``,
-    ``loggers``, ``checkpoints`` (a manager, a directory or ``None``) and ``history`` as ``fit`` takes them.
+    ``loggers``, ``checkpoints`` (a manager, a directory or ``None``) and ``history`` as ``fit`` takes them;
+    ``check_batches``: with tensor parallelism, compare the batch over each tp group on the ``"first"``
+    step of the call or on ``"every"`` step.
 
     Example:
         >>> FitOptions(RunLength(max_steps=100), eval_every=10).evals  # no eval_step: never evaluates
@@ -50,6 +52,7 @@ class FitOptions:
     loggers: tuple[Any, ...] = ()
     checkpoints: Any = None
     history: History | None = None
+    check_batches: Literal["first", "every"] = "first"
     evals: Every = dataclasses.field(init=False)  # eval_every (never without an eval_step) and save_every
     saves: Every = dataclasses.field(init=False)  # as schedules
 
@@ -57,6 +60,8 @@ class FitOptions:
         log_steps = self.log_steps
         if not isinstance(log_steps, int) or isinstance(log_steps, bool) or log_steps < 1:
             raise ValueError(f"fit: log_steps must be a positive int, got {log_steps!r}")
+        if self.check_batches not in ("first", "every"):
+            raise ValueError(f"fit: check_batches must be 'first' or 'every', got {self.check_batches!r}")
         if (self.eval_step is None) != (self.eval_data is None):
             raise ValueError("fit: eval_step and eval_data go together (give both or neither)")
         evals = Every.parse(self.eval_every if self.eval_step is not None else None, "eval_every")

@@ -34,6 +34,7 @@ from functrain.callbacks.base import Callback, Context
 from functrain.checkpoint.onto import restore_onto
 from functrain.compile.tiers import TieredStep, TierPlan
 from functrain.data import DataPosition, Loader
+from functrain.distributed.data_ranks import DataRanks, check_same_batch, data_ranks
 from functrain.ensemble.stacked import run_step
 from functrain.logging import History
 from functrain.logging.writer import WriterBase, as_writer
@@ -90,7 +91,8 @@ class Progress:
 class Services:
     """What a run talks to besides the step: the training data (and its part of a checkpoint), the
     callbacks (by their checkpoint names; ``bar``: the progress bar ``fit`` added), the writers, the
-    checkpoint manager (``None``: no checkpoints)."""
+    checkpoint manager (``None``: no checkpoints), and which slice of the data this process reads
+    (``ranks``: a tensor-parallel group's ranks read one)."""
 
     data: DataResume
     callbacks: list[Callback]
@@ -99,6 +101,7 @@ class Services:
     loggers: list[WriterBase]
     manager: Any
     bar: ProgressBar | None
+    ranks: DataRanks
 
     @property
     def loader(self) -> Loader:
@@ -113,6 +116,7 @@ class Services:
         the first step."""
         from functrain.callbacks.progress import ProgressBar
 
+        ranks = data_ranks(state)  # tensor parallelism: a slice per tp group, the same on its ranks
         loader = as_loader(
             train_data,
             options.batch_size,
@@ -120,6 +124,7 @@ class Services:
             "fit",
             shuffle=True,
             shard=True,
+            ranks=(ranks.rank, ranks.world_size),
             device=batch_device(state),
         )
         loader.require_batches("fit")  # before any step: zero steps is never a finished run
@@ -138,8 +143,9 @@ class Services:
             callbacks.append(bar)
         loggers = [as_writer(lg) for lg in options.loggers] if main else []
         return cls(
-            DataResume(loader), callbacks, callback_names(callbacks), Events(callbacks), loggers, manager, bar
-        )
+            DataResume(loader), callbacks, callback_names(callbacks), Events(callbacks), loggers, manager, bar,
+            ranks,
+        )  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -159,6 +165,7 @@ class Run:
     compiled: tuple[Any, ...]  # the compiled steps (train, eval): Context.compiles counts their graphs
     tiers: TieredStep | None  # a tiered train step: asked for its tier at each step boundary
     _batches: Generator[Any, None, None] | None = None
+    _unchecked: bool = True  # the first batch of the call is compared over a tp group (check_same_batch)
 
     # ------------------------------------------------------------------------------ start: open and resume
 
@@ -294,6 +301,9 @@ class Run:
             state = events("epoch_begin", state, ctx)
         ctx.batch = batch
         self.services.data.saw(batch)
+        if self.options.check_batches == "every" or self._unchecked:  # tensor parallelism: one batch a group
+            check_same_batch(batch, self.services.ranks, self.progress.step + 1)
+            self._unchecked = False
         ctx.tier, ctx.compiling = self._tier()
         state = events("step_begin", state, ctx)
         ctx.previous_state = None if self.donated else state

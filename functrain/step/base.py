@@ -16,6 +16,7 @@ from torch import nn
 
 from functrain import distributed
 from functrain.core.member_axis import is_ensemble, metric_naming, size
+from functrain.distributed.data_ranks import tp_size
 
 __all__ = ["Step", "as_step", "check_state_matches", "expected_names", "refuse_plain_state"]
 
@@ -76,13 +77,22 @@ class Step:
         if self.kind != "train":
             return
         if distributed.is_distributed():
+            # tensor parallelism: a tp group's ranks share one batch; its reducer spans the groups
+            groups = distributed.world_size() // tp_size(state)
             reducer = self.gradient_reducer
-            if reducer is None or getattr(reducer, "world_size", 0) != distributed.world_size():
+            reduced = 1 if reducer is None and groups == 1 else getattr(reducer, "world_size", 0)
+            if reduced != groups:
                 raise ValueError(
                     f"{who}: {distributed.world_size()} processes train, but the train step does not "
                     "all-reduce its gradients over them, so the ranks would drift apart; build it with "
                     "make_train_step(..., gradient_reducer=functrain.distributed.gradient_reducer(model=model)), "
                     "created after functrain.distributed.initialize()"
+                    + (
+                        f"; with tensor parallelism over its {groups} tp groups (strategy="
+                        "functrain.distributed.tensor_parallel(model, plan, mesh) with a (dp, tp) mesh)"
+                        if groups != distributed.world_size()
+                        else ""
+                    )
                 )
         if is_ensemble(state) and not self.members:
             raise ValueError(

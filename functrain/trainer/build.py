@@ -4,7 +4,8 @@ piece of the run. The :class:`~functrain.trainer.Trainer` is these put together;
 - :func:`optimizer`, :func:`schedule` (from the table :data:`functrain.config.schedules.SCHEDULES`),
   :func:`criterion`, :func:`metrics`, :func:`callbacks`, :func:`loggers` (the table :data:`LOGGERS`),
   :func:`manager` (the checkpoint folder), :func:`loader`, :func:`frozen`, :func:`total_steps`,
-  :func:`sharding`, :func:`initial_state`, :func:`steps` (train/eval/predict), :func:`compiled` (their ``jit``),
+  :func:`sharding`, :func:`tensor_parallel` (and its :func:`tensor_parallel_plan`), :func:`initial_state`,
+  :func:`steps` (train/eval/predict), :func:`compiled` (their ``jit``),
   :func:`every` (fit's eval/save/log periods), :func:`resolve_device`.
 
 Example:
@@ -16,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import fnmatch
 import inspect
 import math
 from collections.abc import Callable, Iterable, Mapping
@@ -43,6 +45,7 @@ from functrain.trainer import averaging
 from functrain.trainer.run_dir import COMPILE_CACHE_DIR
 
 if TYPE_CHECKING:
+    from functrain.distributed.tensor_parallel import Plan, TensorParallel
     from functrain.jit import CompiledStep
 
 __all__ = [
@@ -67,6 +70,8 @@ __all__ = [
     "schedule",
     "sharding",
     "steps",
+    "tensor_parallel",
+    "tensor_parallel_plan",
     "total_steps",
 ]
 
@@ -314,7 +319,7 @@ def total_steps(config: TrainerConfig, dataset: Any) -> int:
         n,
         config.batch_size * config.gradient_accumulation_steps,
         config.drop_last,
-        distributed.world_size(),
+        max(1, distributed.world_size() // config.tensor_parallel),  # a tp group reads one slice
     )
     return per_epoch * config.epochs
 
@@ -329,9 +334,12 @@ def loader(
     collate_fn: Callable[[list[Any]], Any] | None = None,
     pad_last: bool = False,
     pad_token_id: int = 0,
+    ranks: tuple[int, int] | None = None,
 ) -> data.Loader:
     """A Loader over ``dataset`` with the config's data settings; ``key`` given: the training order
-    (``shuffle``, ``drop_last``), else evaluation's (in order, every example). Each rank reads its slice.
+    (``shuffle``, ``drop_last``), else evaluation's (in order, every example). Each rank reads its slice
+    (``ranks``: the ``(rank, world_size)`` slice, as :func:`functrain.distributed.data_ranks.data_ranks`
+    says: a tensor-parallel group's ranks read one).
     ``shuffle: auto`` permutes a map-style dataset and reads a stream in its own order; ``shuffle: true``
     reads a stream through a shuffle buffer of ``shuffle_buffer_size`` examples. The batches of a
     ``collate_fn`` of one's own (which pads to each batch's longest sequence, as Hugging Face's do) are
@@ -360,7 +368,9 @@ def loader(
     shuffle = train and (config.shuffle is True or (config.shuffle == "auto" and not stream))
     if shuffle and stream:
         options["shuffle_buffer"] = config.shuffle_buffer_size
-    return data.as_loader(dataset, batch_size, key, "Trainer", shuffle=shuffle, shard=True, options=options)
+    return data.as_loader(
+        dataset, batch_size, key, "Trainer", shuffle=shuffle, shard=True, ranks=ranks, options=options
+    )
 
 
 def pads(config: TrainerConfig, kind: str, *, overridden: bool = False) -> bool:
@@ -398,6 +408,73 @@ def sharding(config: TrainerConfig, model: nn.Module | None = None) -> distribut
             f"give class names such as {classes[:6]} or submodule names, or 'auto'",
         )
     return distributed.fully_shard(level=config.sharding, blocks=blocks)
+
+
+# the ready plans :func:`tensor_parallel_plan` tries, in order (functrain.distributed.tensor_parallel's names)
+_READY_PLANS = ("GPT_PLAN", "GPT2_PLAN", "LLAMA_PLAN")
+
+
+def tensor_parallel_plan(config: TrainerConfig, model: nn.Module) -> Plan:
+    """``config.tensor_parallel_plan``, else the first ready plan (``GPT_PLAN``: nanoGPT-style names,
+    ``GPT2_PLAN``: Hugging Face GPT-2, ``LLAMA_PLAN``: Hugging Face Llama) every entry of which names a
+    submodule of ``model``; anything else is refused naming the field.
+
+    Example:
+        >>> tensor_parallel_plan(TrainerConfig(max_steps=1, tensor_parallel=2, save_strategy="no",
+        ...                      tensor_parallel_plan={"0": "colwise"}), torch.nn.Sequential(torch.nn.Linear(2, 2)))
+        {'0': 'colwise'}
+    """
+    if config.tensor_parallel_plan is not None:
+        return dict(config.tensor_parallel_plan)
+    names = [name for name, _ in model.named_modules() if name]
+    for plan_name in _READY_PLANS:
+        plan = getattr(distributed, plan_name)  # loaded on first use (DTensor's imports)
+        if all(any(fnmatch.fnmatchcase(name, pattern) for name in names) for pattern in plan):
+            return plan
+    raise ConfigError.single(
+        "tensor_parallel_plan",
+        f"tensor_parallel={config.tensor_parallel} but no ready plan fits {type(model).__name__} (GPT_PLAN "
+        f"splits *attn.q/k/v/proj and *mlp.fc/proj, GPT2_PLAN Hugging Face GPT-2's c_attn/c_fc/c_proj, LLAMA_PLAN "
+        f"Hugging Face Llama's q/k/v/o_proj and gate/up/down_proj; its submodules are named like {names[:5]})",
+        "give tensor_parallel_plan: {glob: colwise | rowwise | replicate} naming its linear layers (e.g. "
+        "{'*attn.query': colwise, '*attn.out': rowwise}), or set tensor_parallel=1",
+    )
+
+
+def tensor_parallel(config: TrainerConfig, model: nn.Module, device: torch.device) -> TensorParallel | None:
+    """``config.tensor_parallel`` as the step's strategy (:func:`functrain.distributed.tensor_parallel`)
+    over a ``(dp, tp)`` mesh of ``world_size / N x N`` torchrun ranks (1-D when they are all one tp
+    group), with :func:`tensor_parallel_plan`; ``None`` for ``tensor_parallel: 1``. Collective (call it
+    on every rank, after ``distributed.initialize()``). Refuses a world size ``N`` does not divide.
+
+    Example:
+        >>> tensor_parallel(TrainerConfig(max_steps=1), torch.nn.Linear(2, 1), torch.device("cpu")) is None
+        True
+    """
+    n = config.tensor_parallel
+    if n == 1:
+        return None
+    world = distributed.world_size()
+    if not distributed.is_distributed() or world % n:
+        raise ConfigError.single(
+            "tensor_parallel",
+            f"tensor_parallel={n} splits each layer over {n} torchrun ranks, but this run has {world} "
+            f"process{'es' if world > 1 else ''}{'' if distributed.is_distributed() else ' (not under torchrun)'}",
+            f"launch torchrun --nproc-per-node {n} (or a multiple of {n}: dp = world / {n}), or set "
+            "tensor_parallel to a divisor of the world size",
+        )
+    plan = tensor_parallel_plan(config, model)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape, names = ((n,), ("tp",)) if world == n else ((world // n, n), ("dp", "tp"))
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+    try:
+        return distributed.tensor_parallel(model, plan, mesh)
+    except ValueError as err:  # the plan or the model cannot be split as asked: name the field
+        field = "tensor_parallel_plan" if config.tensor_parallel_plan is not None else "tensor_parallel"
+        raise ConfigError.single(
+            field, str(err), "change the plan, the model or tensor_parallel as it says"
+        ) from err
 
 
 def initial_state(
@@ -469,11 +546,13 @@ def steps(
     metrics: ftmetrics.Collection | None,
     reducer: Any = None,
     sharding: distributed.Sharding | None = None,
+    strategy: TensorParallel | None = None,
 ) -> tuple[Step, Step, Step]:
     """The pure train, eval and predict steps (:class:`functrain.step.Step`) of ``config`` (precision, accumulation, frozen BatchNorm,
     skipping non-finite steps, a sweep's ensemble) over ``losses``; ``reducer``: torchrun's gradient
     averaging; ``sharding``: the state's (:func:`sharding`), which the train step reduce-scatters for
-    (evaluation and prediction gather a ZeRO-3 state's params inside their steps).
+    (evaluation and prediction gather a ZeRO-3 state's params inside their steps); ``strategy``: tensor
+    parallelism's (:func:`tensor_parallel`), instead of both.
 
     Example:
         >>> import functrain as ft
@@ -490,6 +569,7 @@ def steps(
         freeze_batchnorm=config.freeze.batchnorm,
         gradient_reducer=reducer,
         sharding=sharding,
+        strategy=strategy,
         per_example=config.dp_l2_norm_clip is not None,
         sam_rho=config.sam_rho,
     )

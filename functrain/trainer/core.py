@@ -39,6 +39,7 @@ from functrain import callbacks as cbs
 from functrain import checkpoint, distributed, ensemble, optim
 from functrain.checkpoint import restore_onto
 from functrain.config import ConfigError, Problem, TrainerConfig
+from functrain.distributed.data_ranks import data_ranks
 from functrain.loop import FitResult, data_key, evaluate, fit, predict
 from functrain.state import TrainState
 from functrain.step import Step
@@ -109,6 +110,8 @@ class Trainer:
         self.tx = optimizer if optimizer is not None else self.build_optimizer()
         # config.sharding over the torchrun ranks (one process: a world of one); None: replicated
         self.sharding = build.sharding(cfg, model)
+        # config.tensor_parallel: the step's strategy over a (dp, tp) mesh; None: off
+        self.tensor_parallel = build.tensor_parallel(cfg, model, self.device)
         if cfg.sweep:
             self.state, self.sweep_members = sweep.state(cfg, model, self.tx, self.device)
         else:
@@ -225,6 +228,7 @@ class Trainer:
                 checkpoints=manager,
                 resume_from_checkpoint=resume,
                 progress_bar=cfg.progress_bar,
+                check_batches=cfg.tensor_parallel_check_batches,
             )
         finally:  # also when training fails or is interrupted: W&B finishes its run, MLflow marks it
             for lg in loggers:  # finished, files are closed
@@ -259,8 +263,9 @@ class Trainer:
     def save(self, path: str | os.PathLike[str]) -> None:
         """Save the train state (params, buffers, optimizer state, step, key) as a msgpack checkpoint.
 
-        A sharded state (``config.sharding``) is gathered whole first (every rank calls ``save``; rank 0
-        writes): the file is the one a single process training on the same data would save."""
+        A sharded or tensor-parallel state (``config.sharding``, ``config.tensor_parallel``) is gathered
+        whole first (every rank calls ``save``; rank 0 writes): the file is the one a single process
+        training on the same data would save."""
         metadata = {"tied_parameters": dict(self.state.tied)}
         state = self.state if self.state.layout is None else self.state.layout.full_state(self.state)
         if self.state.layout is None or distributed.is_main_process():
@@ -269,7 +274,14 @@ class Trainer:
 
     def load(self, path: str | os.PathLike[str]) -> TrainState:
         """Load a state saved by :meth:`save` (or a checkpoint of ``fit``, a sharded one's
-        ``step_N.shards`` folder or manifest included) onto this trainer's state."""
+        ``step_N.shards`` folder or manifest included) onto this trainer's state; a tensor-parallel
+        state reads a whole one (:meth:`save`'s) and is placed again (every rank calls ``load``)."""
+        if self.tensor_parallel is not None:
+            raw = checkpoint.restore(path)
+            raw = raw.get("state", raw) if isinstance(raw, dict) else raw
+            whole = restore_onto(self.tensor_parallel.gather(self.state), raw)
+            self.state = self.tensor_parallel.place(whole)
+            return self.state
         if self.state.layout is not None:
             self.state = sharded_state.load(self.state, path)
             return self.state
@@ -300,11 +312,15 @@ class Trainer:
     # ------------------------------------------------------------------------------ building
 
     def _build_steps(self) -> None:
-        reducer = None
-        if self.sharding is None:  # a sharded state was made the same on every rank as it was created
+        reducer, tp = None, self.tensor_parallel
+        if tp is not None:  # params and moments as DTensors, global rank 0's values on every rank
+            self.state = tp.place(self.state)
+        elif self.sharding is None:  # a sharded state was made the same on every rank as it was created
             self.state, reducer = build.replicated(self.state, self.model, self.device)
+        # which slice of the data this process reads: a tp group's ranks one together
+        self.data_ranks = data_ranks(self.state)
         self._train_step, self._eval_step, self._predict_step = build.steps(
-            self.config, self.model, _losses(self), self.metrics, reducer, self.sharding
+            self.config, self.model, _losses(self), self.metrics, reducer, self.sharding, tp
         )
 
     def _step(self, kind: str) -> Step:
@@ -329,6 +345,7 @@ class Trainer:
         return build.loader(
             self.config, dataset, batch_size, key=key, device=self.device, collate_fn=self.data_collator,
             pad_last=pad, pad_token_id=batches.pad_token_id(self.model),
+            ranks=(self.data_ranks.rank, self.data_ranks.world_size),
         )  # fmt: skip
 
     def _loggers(self, log_dir: Path) -> list[Any]:

@@ -1,0 +1,230 @@
+"""``TrainerConfig.tensor_parallel`` through the Trainer, the YAML and ``torchrun -m functrain train``.
+
+Fast here: the fields (YAML, overrides, help), the refusals of the config and of the Trainer in one process,
+the plan chosen for a model. Slow (torchrun, gloo, float64, eager): the Trainer with ``tensor_parallel: 2`` on
+2 ranks (tp 2) and 4 ranks (dp 2 x tp 2) against one process (``tp_trainer_worker.py``), the batch check
+refusing ranks of a tp group given different batches, and ``torchrun -m functrain train run.yaml`` against
+the same YAML in one process.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import tp_trainer_fixtures as fixtures
+from test_sharding_torchrun import _torchrun
+from test_sharding_trainer import _torchrun_cli
+from trainer_fixtures import SmallNet
+
+import functrain as ft
+from functrain.cli import main as cli
+from functrain.trainer import build
+
+HERE = Path(__file__).parent
+F64 = 1e-10  # float64, 12 AdamW steps with clipping: the split matmuls (and dp's mean) sum in another order
+F32 = 1e-6  # evaluation's loss and metrics are float32
+
+
+# ------------------------------------------------------------------------------------------- the fields
+
+
+def test_tensor_parallel_fields_from_yaml_overrides_and_help() -> None:
+    text = (
+        "max_steps: 1\nsave_strategy: no\ntensor_parallel: 2\ntensor_parallel_plan:\n  '*attn.q': colwise\n"
+    )
+    config = ft.TrainerConfig.from_yaml(text)
+    assert config.tensor_parallel == 2 and config.tensor_parallel_plan == {"*attn.q": "colwise"}
+    assert ft.TrainerConfig.from_yaml(config.to_yaml()) == config
+    assert config.with_overrides(["tensor_parallel=4"]).tensor_parallel == 4
+    assert ft.TrainerConfig(max_steps=1).tensor_parallel == 1  # off by default
+    from functrain.config import config_help
+
+    assert "tensor_parallel: int = 1" in config_help()
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"sharding": "params"}, "sharding"),
+        ({"sweep": {"seed": [0, 1]}}, "sweep"),
+        ({"mixed_precision": "fp16", "device": "cuda"}, "mixed_precision"),
+        ({"dp_l2_norm_clip": 1.0, "dp_noise_multiplier": 1.0}, "dp_l2_norm_clip"),
+        ({"sam_rho": 0.05}, "sam_rho"),
+        ({"save_strategy": "epoch"}, "save_strategy"),
+        ({"resume_from_checkpoint": True}, "resume_from_checkpoint"),
+    ],
+)
+def test_what_tensor_parallelism_cannot_do_is_refused_by_the_config(fields: dict, named: str) -> None:
+    base = {"max_steps": 1, "save_strategy": "no", **fields}
+    ft.TrainerConfig(**base)  # fine without tensor parallelism
+    with pytest.raises(ft.ConfigError) as caught:
+        ft.TrainerConfig(**base, tensor_parallel=2)
+    problems = [p for p in caught.value.problems if "tensor_parallel" in p.message]
+    assert [p.path for p in problems] == [named], caught.value
+    assert "tensor_parallel=1" in problems[0].fix
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"tensor_parallel_plan": {"*attn.q": "colwise"}}, "tensor_parallel_plan"),
+        ({"tensor_parallel_check_batches": "every"}, "tensor_parallel_check_batches"),
+        ({"tensor_parallel": 0}, "tensor_parallel"),
+        (
+            {"tensor_parallel": 2, "tensor_parallel_plan": {"*attn.q": "columnwise"}},
+            "tensor_parallel_plan.*attn.q",
+        ),
+        ({"tensor_parallel": 2, "tensor_parallel_plan": ["*attn.q"]}, "tensor_parallel_plan"),
+    ],
+)
+def test_tensor_parallel_settings_that_mean_nothing_are_refused(fields: dict, named: str) -> None:
+    with pytest.raises(ft.ConfigError) as caught:
+        ft.TrainerConfig(max_steps=1, save_strategy="no", **fields)
+    assert caught.value.paths == [named], caught.value
+
+
+def _tp_config(tmp_path: Path, **fields: object) -> ft.TrainerConfig:
+    return fixtures.config(tmp_path / "run", tensor_parallel=2, **fields)
+
+
+def test_one_process_is_refused_naming_the_field_before_anything_is_written(tmp_path: Path) -> None:
+    with pytest.raises(ft.ConfigError) as caught:
+        ft.Trainer(fixtures.gpt(), _tp_config(tmp_path), fixtures.tokens(8))
+    (problem,) = caught.value.problems
+    assert problem.path == "tensor_parallel" and "not under torchrun" in problem.message
+    assert "torchrun --nproc-per-node 2" in problem.fix
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_plan_is_chosen_for_the_model_or_refused_naming_the_field(tmp_path: Path) -> None:
+    config = _tp_config(tmp_path)
+    assert build.tensor_parallel_plan(config, fixtures.gpt()) is ft.distributed.GPT_PLAN
+    with pytest.raises(ft.ConfigError) as caught:
+        build.tensor_parallel_plan(config, SmallNet())
+    (problem,) = caught.value.problems
+    assert problem.path == "tensor_parallel_plan" and "no ready plan fits SmallNet" in problem.message
+    assert "give tensor_parallel_plan:" in problem.fix
+    own = {"*attn.q": "colwise", "*attn.proj": "rowwise"}  # a plan of one's own wins
+    assert build.tensor_parallel_plan(config.replace(tensor_parallel_plan=own), fixtures.gpt()) == own
+
+
+def test_the_hugging_face_plans_are_chosen_for_gpt2_and_llama(tmp_path: Path) -> None:
+    tr = pytest.importorskip("transformers")
+    small = {"vocab_size": 50, "num_hidden_layers": 1, "num_attention_heads": 2}
+    gpt2 = tr.GPT2LMHeadModel(tr.GPT2Config(**small, n_positions=16, n_embd=16))
+    llama = tr.LlamaForCausalLM(tr.LlamaConfig(**small, hidden_size=16, intermediate_size=32))
+    config = _tp_config(tmp_path)
+    assert build.tensor_parallel_plan(config, gpt2) is ft.distributed.GPT2_PLAN
+    assert build.tensor_parallel_plan(config, llama) is ft.distributed.LLAMA_PLAN
+
+
+def _write_yaml(tmp_path: Path, **extra: object) -> Path:
+    config = fixtures.config(tmp_path / "cli_run", **extra).to_dict()
+    config.update(
+        model="tp_trainer_fixtures:gpt",
+        train_dataset={"target": "tp_trainer_fixtures:tokens", "kwargs": {"n": 48}},
+        eval_dataset={"target": "tp_trainer_fixtures:tokens", "kwargs": {"n": 20, "seed": 1}},
+        test_dataset={"target": "tp_trainer_fixtures:tokens", "kwargs": {"n": 12, "seed": 2}},
+    )
+    path = tmp_path / "run.yaml"
+    path.write_text(ft.TrainerConfig.from_dict(config).to_yaml())
+    return path
+
+
+def test_the_cli_in_one_process_refuses_tensor_parallel(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(HERE))
+    path = _write_yaml(tmp_path)
+    assert cli(["train", str(path), "tensor_parallel=2"]) != 0
+    err = capsys.readouterr().err
+    assert "tensor_parallel" in err and "torchrun --nproc-per-node 2" in err
+    assert not (tmp_path / "cli_run").exists()
+
+
+# ------------------------------------------------------------------------------------------- torchrun
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> ft.Trainer:
+    """The same config in one process (tensor_parallel: 1), batch 8."""
+    trainer = ft.Trainer(
+        fixtures.gpt(), fixtures.config(tmp_path_factory.mktemp("ref")), fixtures.tokens(48),
+        fixtures.tokens(20, seed=1),
+    )  # fmt: skip
+    trainer.train()
+    return trainer
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "dp2xtp2"])
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out = str(tmp_path_factory.mktemp(f"tp_trainer{request.param}"))
+    return _torchrun("trainer", out, request.param, script="tp_trainer_worker.py")
+
+
+@pytest.mark.slow
+def test_the_trainer_with_tensor_parallel_equals_one_process(runs: list[dict], reference: ft.Trainer) -> None:
+    ref = reference.state
+    moved = max(float((ref.params[k] - fixtures.gpt().state_dict()[k]).abs().max()) for k in ref.params)
+    assert moved > 1e-2  # the run trained: parity below is not two untouched copies
+    for out in runs:
+        assert out["step"] == int(ref.step) == 12 and out["dtensor_params"]
+        for k, p in ref.params.items():
+            torch.testing.assert_close(out["params"][k], p, rtol=0, atol=F64)
+        for a, b in zip(out["opt_state"], ft.tree.leaves(ref.opt_state)):
+            if isinstance(a, torch.Tensor):
+                torch.testing.assert_close(a, b, rtol=0, atol=F64)
+        assert out["eval"] == pytest.approx(reference.evaluate(), abs=F32)  # counted once per tp group
+        torch.testing.assert_close(out["loaded"], out["params"], rtol=0, atol=0)  # Trainer.save / load
+
+
+@pytest.mark.slow
+def test_each_rank_holds_its_half_of_the_split_layers(runs: list[dict]) -> None:
+    for out in runs:
+        shapes = out["local_shapes"]
+        assert shapes["blocks.0.attn.q.weight"] == (4, 8) and shapes["blocks.0.attn.proj.weight"] == (8, 4)
+        assert shapes["blocks.1.mlp.fc.bias"] == (16,) and shapes["head.weight"] == (13, 8)  # replicated
+
+
+@pytest.mark.slow
+def test_prediction_covers_each_dp_slice_once(runs: list[dict], reference: ft.Trainer) -> None:
+    expected = reference.predict(fixtures.tokens(6, seed=2))
+    tp = 2
+    leaders = [out["predict"] for out in runs[::tp]]  # one per tp group: its dp slice
+    for out in runs:
+        group = runs[out["rank"] - out["rank"] % tp]
+        torch.testing.assert_close(out["predict"], group["predict"], rtol=0, atol=0)  # the group agrees
+    got = torch.cat(leaders)
+    assert got.shape == expected.shape
+    for row in expected:  # every example predicted by exactly one group, as one process does
+        assert int(((got - row).abs().amax(-1) <= F64).sum()) == 1
+
+
+@pytest.mark.slow
+def test_ranks_of_a_tp_group_given_other_batches_are_refused_naming_them(runs: list[dict]) -> None:
+    for out in runs:
+        message = out["mismatched"]
+        assert "tp group were given different batches for training step 13" in message, message
+        group = out["rank"] - out["rank"] % 2
+        assert f"ranks [{group}] got batch" in message and f"ranks [{group + 1}] got batch" in message
+        # a second batch that differs: seen on every step with check_batches="every", not by default
+        assert out["second_batch"]["first"] == "", out["second_batch"]
+        assert "different batches for training step 14" in out["second_batch"]["every"], out["second_batch"]
+
+
+@pytest.mark.slow
+def test_torchrun_functrain_train_yaml_with_tensor_parallel(tmp_path: Path, capsys, monkeypatch) -> None:
+    path = _write_yaml(tmp_path, tensor_parallel=2)
+    proc = _torchrun_cli(tmp_path, str(path))
+    (summary,) = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    saved = ft.TrainerConfig.from_yaml(tmp_path / "cli_run" / "config.yaml")
+    assert saved.tensor_parallel == 2
+    # the same YAML in one process: the same steps and the same test metrics (float32)
+    monkeypatch.syspath_prepend(str(HERE))
+    capsys.readouterr()
+    assert cli(["train", str(path), "tensor_parallel=1", f"output_dir={tmp_path / 'one'}"]) == 0
+    one = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["step"] == one["step"] == 12
+    for key in ("test/loss", "test/accuracy"):
+        assert summary[key] == pytest.approx(one[key], abs=F32), key
