@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from functrain.compile import header_cache
+from functrain.compile import header_cache, lazy_templates
 from functrain.compile.dropout import DROPOUT_CACHE_SALT, cpu_dropout_decompositions, draws_dropout_masks
 from functrain.compile.isa_probe import vec_isa_verified
 
@@ -132,6 +132,7 @@ def _on_cpu(example_inputs: list[Any]) -> bool:
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], config: dict[str, Any]) -> Any:
     """Compile dynamo's graph with inductor: functrain's defaults, then the caller's ``config`` (which wins)."""
+    lazy_templates.install()  # before inductor's GPU kernel modules compile their templates at import
     from torch._inductor.compile_fx import compile_fx
 
     defaults = _workaround_options(torch_version())
