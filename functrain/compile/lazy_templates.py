@@ -10,7 +10,7 @@ the same template, made later. Install it before ``compile_fx`` is first importe
 earlier stay as they are. A torch without that function keeps its own.
 
 Example:
-    >>> install()  # doctest: +SKIP  (before the first import of torch._inductor.compile_fx)
+    >>> install()  # before the first import of torch._inductor.compile_fx  # doctest: +SKIP
 """
 
 from __future__ import annotations
