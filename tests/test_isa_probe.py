@@ -103,6 +103,18 @@ def test_a_probe_the_record_does_not_hold_runs_torchs_check(fresh, monkeypatch):
     assert fresh.builds[probes + 1 :] == [(str(isa), "an extension's probe")]
 
 
+def test_a_record_without_build_verdicts_is_checked_again_once(fresh, monkeypatch):
+    assert _isa_probe.vec_isa_verified() is True
+    record = json.loads(fresh.record.read_text())
+    fresh.record.write_text(json.dumps({k: v for k, v in record.items() if k != "builds"}))  # older format
+    _new_process(monkeypatch)
+    assert _isa_probe.vec_isa_verified() is True
+    assert len(fresh.checks) == 2 and json.loads(fresh.record.read_text())["builds"]
+    _new_process(monkeypatch)
+    assert _isa_probe.vec_isa_verified() is True
+    assert len(fresh.checks) == 2
+
+
 def test_a_recorded_failure_is_answered_as_a_failure(fresh, monkeypatch):
     assert _isa_probe.vec_isa_verified() is True
     record = json.loads(fresh.record.read_text())

@@ -158,10 +158,10 @@ def _check() -> bool:
         return False
     path = _record_path(environment)
     record = _read_record(path)
-    if record is not None and all(record.get(k) == v for k, v in environment.items()):
-        builds = record.get("builds")
-        if isinstance(builds, dict):
-            _answer_builds({k: v for k, v in builds.items() if isinstance(v, bool)})
+    recorded = record.get("builds") if record is not None else None
+    # A record without ``builds`` (an earlier functrain's) is checked again once, to add them.
+    if isinstance(recorded, dict) and all(record.get(k) == v for k, v in environment.items()):
+        _answer_builds({k: v for k, v in recorded.items() if isinstance(v, bool)})
         return True
     from torch._inductor import cpu_vec_isa
 
