@@ -39,16 +39,12 @@ def test_the_machine_policy_reads_cores_and_load_and_the_users_choice_wins(monke
 
 
 def _patches(monkeypatch, device="cpu", options=None):
+    """The config_patches jit's backend hands to (a fake) inductor for a one-op graph on ``device``."""
     seen = {}
-
-    def fake_compile_fx(gm, example_inputs, config_patches=None, **kwargs):
-        seen.update(config_patches or {})
-        return gm
-
-    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", fake_compile_fx)
-    gm = torch.fx.symbolic_trace(lambda x: x + 1)
-    x = torch.ones(2, device=device)
-    backend_module.compile_graph(gm, [x], dict(options or {}))
+    fake = lambda gm, inputs, config_patches=None, **kwargs: seen.update(config_patches or {}) or gm  # noqa: E731
+    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", fake)
+    graph = torch.fx.symbolic_trace(lambda x: x + 1)
+    backend_module.compile_graph(graph, [torch.ones(2, device=device)], dict(options or {}))
     return seen
 
 
