@@ -15,12 +15,17 @@ Reported per row: seconds from the end of ``import torch`` to the end of the fir
 the main process plus its children. A child is counted by its USS (its own pages), and not at all between
 ``vfork`` and ``exec``, while it still is the main process (same memory, same command line).
 
+``--workers``: cold compiles with inductor's compile workers set to 1 and 2 C++ compilers at once
+(``TORCHINDUCTOR_COMPILE_THREADS``) and with functrain's policy (:mod:`functrain.compile.workers`: one per
+idle core), interleaved, each in an empty inductor cache: start time, CPU and peak memory against eager.
+
 ``--interrupt``: a fit run with checkpoints and ``Preemption`` gets SIGINT ``--delay`` seconds after
 inductor receives the graph (a cold compile): seconds until the run has saved and returned, and until the
 process has exited.
 
 Usage:
     python benchmarks/warm_start.py --jobs mlp gpt bert --repeats 2
+    python benchmarks/warm_start.py --workers --jobs mlp gpt --repeats 2
     python benchmarks/warm_start.py --interrupt --jobs mlp gpt --delay 0.5 3
 """
 
@@ -170,6 +175,31 @@ def starts(jobs: list[str], repeats: int) -> None:
         print(f"load average {os.getloadavg()[0]:.1f}", flush=True)
 
 
+def compile_workers(jobs: list[str], repeats: int) -> None:
+    print("| job | compilers | start s (wall) | CPU s | g++ (summed) | peak main MB | main + children MB "
+          "| / eager peak |\n|---|---|---:|---:|---:|---:|---:|---:|")  # fmt: skip
+    for job in jobs:
+        with tempfile.TemporaryDirectory(prefix="functrain-workers-") as tmp:
+            user, jit_cache = os.path.join(tmp, "user"), os.path.join(tmp, "jit-cache")
+            cmd = [sys.executable, __file__, "--child", job, "eager", jit_cache]
+            _, _, eager = _sampled(cmd, _env(os.path.join(tmp, "e"), user))
+            print(f"| {job} | eager | | | | | {eager:.0f} | 1.00x |", flush=True)
+            for r in range(repeats):
+                for threads in ("1", "2", "policy"):
+                    env = _env(os.path.join(tmp, f"cold-{r}-{threads}"), user)
+                    env.pop("TORCHINDUCTOR_COMPILE_THREADS", None)
+                    if threads != "policy":
+                        env["TORCHINDUCTOR_COMPILE_THREADS"] = threads
+                    cmd = [sys.executable, __file__, "--child", job, "cold", jit_cache]
+                    res, main, tree = _sampled(cmd, env)
+                    print(
+                        f"| {job} | {threads} | {res['wall']:.2f} | {res['cpu']:.2f} | {res['phases']['g++']:.2f} | "
+                        f"{main:.0f} | {tree:.0f} | {tree / eager:.2f}x |",
+                        flush=True,
+                    )
+    print(f"load average {os.getloadavg()[0]:.1f}", flush=True)
+
+
 _INTERRUPTED = """
 import importlib, sys, time
 import torch
@@ -234,6 +264,9 @@ def main() -> None:
     p.add_argument("--jobs", nargs="+", default=["mlp", "gpt", "bert"], help="--interrupt: mlp, gpt")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--interrupt", action="store_true")
+    p.add_argument(
+        "--workers", action="store_true", help="cold compiles with 1, 2 and the policy's compilers"
+    )
     p.add_argument("--delay", nargs="+", type=float, default=[0.5, 3.0])
     p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -244,6 +277,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
     if args.interrupt:
         interrupts(args.jobs, args.delay)
+    elif args.workers:
+        compile_workers(args.jobs, args.repeats)
     else:
         starts(args.jobs, args.repeats)
 

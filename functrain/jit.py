@@ -374,7 +374,9 @@ def jit(
             turns inductor's ``layout_optimization`` off unless ``options`` sets it (channels-last
             layout copies around convolutions made a BatchNorm CNN's step 30% slower), and draws
             dropout masks as float32 ``rand < p`` (half the cost of ATen's ``bernoulli_``) unless
-            ``options`` sets ``fallback_random`` (``True``: exactly eager's masks).
+            ``options`` sets ``fallback_random`` (``True``: exactly eager's masks), and runs one C++
+            compiler per core that other processes leave idle unless ``options`` sets ``compile_threads``
+            (:mod:`functrain.compile.workers`).
             On the torch versions named in :data:`TORCH_WORKAROUNDS`, jit also sets the inductor
             options listed there (e.g. ``loop_ordering_after_fusion=False`` on torch 2.10-2.11),
             again unless ``options`` sets them.

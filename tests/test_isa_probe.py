@@ -34,9 +34,20 @@ def fresh(monkeypatch, tmp_path):
     assert claimed is not None, "this x86-64 CPU claims no vector ISA inductor knows"
     passing = [isa for isa in cpu_vec_isa.supported_vec_isa_list if str(isa) in claimed["isas"]]
 
+    builds = []  # the ISA build-and-load probes that ran (torch's check_build, faked)
+
+    def check_build(isa, code):
+        builds.append((str(isa), code))
+        return True
+
     def torch_check():
         checks.append(1)
+        for isa in fresh.passing:
+            isa.check_build("an extension's probe")  # as VecAVX512VNNI.__bool__ does, past vec_isa_ok
         return list(fresh.passing)
+
+    monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", check_build)  # restored with the wrapper
+    fresh.builds = builds
 
     fresh.passing = passing
     monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", torch_check)
@@ -59,6 +70,58 @@ def test_the_check_runs_once_and_a_later_process_reads_the_record(fresh, monkeyp
     _new_process(monkeypatch)
     assert _isa_probe.vec_isa_verified() is True
     assert len(fresh.checks) == 1  # the record stood in for torch's check
+
+
+def test_the_extension_probes_are_answered_from_the_record_in_a_later_process(fresh, monkeypatch):
+    # cpp.vec_isa_ok=True skips only the base check: the bf16/VNNI/AMX probes still build and load.
+    assert _isa_probe.vec_isa_verified() is True
+    probes = len(fresh.passing)
+    assert len(fresh.builds) == probes and len(json.loads(fresh.record.read_text())["builds"]) == probes
+    _new_process(monkeypatch)
+    assert _isa_probe.vec_isa_verified() is True
+    isa = fresh.passing[0]
+    assert isa.check_build("an extension's probe") is True
+    assert len(fresh.builds) == probes  # answered from the record: no build, no child Python
+
+
+def test_a_probe_the_record_does_not_hold_runs_torchs_check(fresh, monkeypatch):
+    from torch._inductor import cpu_vec_isa
+
+    assert _isa_probe.vec_isa_verified() is True
+    _new_process(monkeypatch)
+    assert _isa_probe.vec_isa_verified() is True
+    probes = len(fresh.builds)
+    isa = fresh.passing[0]
+    isa.check_build("other probe code")
+    assert fresh.builds[probes:] == [(str(isa), "other probe code")]
+    # another compiler (inductor's build fingerprint) is another key: torch's check runs
+    fingerprint = cpu_vec_isa._get_isa_dry_compile_fingerprint
+    monkeypatch.setattr(
+        cpu_vec_isa, "_get_isa_dry_compile_fingerprint", lambda flags: "g++ 99=" + fingerprint(flags)
+    )
+    isa.check_build("an extension's probe")
+    assert fresh.builds[probes + 1 :] == [(str(isa), "an extension's probe")]
+
+
+def test_a_record_without_build_verdicts_is_checked_again_once(fresh, monkeypatch):
+    assert _isa_probe.vec_isa_verified() is True
+    record = json.loads(fresh.record.read_text())
+    fresh.record.write_text(json.dumps({k: v for k, v in record.items() if k != "builds"}))  # older format
+    _new_process(monkeypatch)
+    assert _isa_probe.vec_isa_verified() is True
+    assert len(fresh.checks) == 2 and json.loads(fresh.record.read_text())["builds"]
+    _new_process(monkeypatch)
+    assert _isa_probe.vec_isa_verified() is True
+    assert len(fresh.checks) == 2
+
+
+def test_a_recorded_failure_is_answered_as_a_failure(fresh, monkeypatch):
+    assert _isa_probe.vec_isa_verified() is True
+    record = json.loads(fresh.record.read_text())
+    fresh.record.write_text(json.dumps({**record, "builds": {k: False for k in record["builds"]}}))
+    _new_process(monkeypatch)
+    assert _isa_probe.vec_isa_verified() is True
+    assert fresh.passing[0].check_build("an extension's probe") is False
 
 
 def test_a_new_inductor_cache_directory_reads_the_same_record(fresh, monkeypatch, tmp_path):

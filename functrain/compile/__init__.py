@@ -1,6 +1,8 @@
 """Compile internals behind :func:`functrain.jit` (private: the public surface is ``functrain.jit``).
 
-- :mod:`.backend`: the inductor options jit sets (torch version workarounds, CPU defaults, dropout masks);
+- :mod:`.backend`: the inductor options jit sets (torch version workarounds, CPU defaults, dropout masks,
+  one C++ compiler per idle core: :mod:`.workers`), with inductor's kernel templates made lazy
+  (:mod:`.lazy_templates`) and its precompiled header found without ``g++ -E`` (:mod:`.header_cache`);
 - :mod:`.guards`: the filter that skips dynamo's guards on library globals;
 - :mod:`.cache`: the portable compile cache (``jit(..., cache_dir=...)``) and the compile-time estimate
   (:mod:`.compile_times`), with the vector-ISA verdict and functrain's per-user cache (:mod:`.isa_probe`);

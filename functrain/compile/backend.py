@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from functrain.compile import header_cache
+from functrain.compile import header_cache, lazy_templates, workers
 from functrain.compile.dropout import DROPOUT_CACHE_SALT, cpu_dropout_decompositions, draws_dropout_masks
 from functrain.compile.isa_probe import vec_isa_verified
 
@@ -132,6 +132,7 @@ def _on_cpu(example_inputs: list[Any]) -> bool:
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], config: dict[str, Any]) -> Any:
     """Compile dynamo's graph with inductor: functrain's defaults, then the caller's ``config`` (which wins)."""
+    lazy_templates.install()  # before inductor's GPU kernel modules compile their templates at import
     from torch._inductor.compile_fx import compile_fx
 
     defaults = _workaround_options(torch_version())
@@ -140,6 +141,9 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], config: d
     if not _on_cpu(example_inputs):
         return compile_fx(gm, example_inputs, config_patches={**defaults, **config} or None)
     defaults.update(_CPU_DEFAULTS)
+    threads = workers.machine_compile_threads()  # a g++ per idle core only (functrain.compile.workers)
+    if threads is not None:
+        defaults["compile_threads"] = threads
     header_cache.install()  # no g++ -E of inductor's prefix header in every new process
     if vec_isa_verified():  # skips inductor's per-process ISA load check (functrain.compile.isa_probe)
         defaults["cpp.vec_isa_ok"] = True

@@ -18,6 +18,14 @@ check again.
 The patch is part of inductor's cache key, so :func:`functrain.jit` passes it on every CPU compile once
 verified, cold or warm alike, and the cached graphs of one process match the next one's.
 
+``cpp.vec_isa_ok=True`` skips only the base check of each ISA: the AVX-512 bf16, VNNI, AMX and AMX-fp16
+extension checks still build and load a probe library each (six child Pythons on a Sapphire Rapids
+CPU: 0.7-1.8 s of every warm start, the largest part of loading a cached graph). The record keeps every
+build-and-load verdict of torch's check (``builds``), keyed by the ISA's class, inductor's build
+fingerprint of its flags (compiler version, flags, torch version) and the probe code's hash; a later
+process of the same environment answers ``VecISA.check_build`` from it. A check whose key is not
+recorded (other flags, code or compiler) runs torch's own.
+
 Example:
     >>> isinstance(vec_isa_verified(), bool)
     True
@@ -25,11 +33,13 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import platform
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,24 +91,89 @@ def _record_path(environment: dict[str, Any]) -> Path:
     return cache_root() / f"{_RECORD_PREFIX}{digest}.json"
 
 
+def _build_key(isa: Any, code: str) -> str:
+    """What a ``check_build`` verdict depends on beyond the environment: the ISA, its flags (an
+    extension check adds some) with inductor's compiler fingerprint, and the probe code."""
+    from torch._inductor import cpu_vec_isa
+
+    fingerprint = cpu_vec_isa._get_isa_dry_compile_fingerprint(isa.build_arch_flags())
+    fields = [type(isa).__qualname__, fingerprint, hashlib.sha256(code.encode()).hexdigest()]
+    return hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:24]
+
+
+def _unwrapped_check_build() -> Any:
+    from torch._inductor import cpu_vec_isa
+
+    current = cpu_vec_isa.VecISA.check_build
+    return getattr(current, "__wrapped__", current)
+
+
+@contextlib.contextmanager
+def _recording_builds(builds: dict[str, bool]) -> Iterator[None]:
+    """Record every ``VecISA.check_build`` verdict made inside into ``builds``."""
+    from torch._inductor import cpu_vec_isa
+
+    original = _unwrapped_check_build()
+
+    def check_build(isa: Any, code: str) -> bool:
+        verdict = bool(original(isa, code))
+        builds[_build_key(isa, code)] = verdict
+        return verdict
+
+    check_build.__wrapped__ = original  # type: ignore[attr-defined]
+    saved = cpu_vec_isa.VecISA.check_build
+    cpu_vec_isa.VecISA.check_build = check_build  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        cpu_vec_isa.VecISA.check_build = saved  # type: ignore[method-assign]
+
+
+def _answer_builds(builds: dict[str, bool]) -> None:
+    """Answer ``VecISA.check_build`` from ``builds`` (recorded in this environment); torch's own check
+    for any other key."""
+    from torch._inductor import cpu_vec_isa
+
+    original = _unwrapped_check_build()
+
+    def check_build(isa: Any, code: str) -> bool:
+        verdict = builds.get(_build_key(isa, code))
+        return original(isa, code) if verdict is None else verdict
+
+    check_build.__wrapped__ = original  # type: ignore[attr-defined]
+    cpu_vec_isa.VecISA.check_build = check_build  # type: ignore[method-assign]
+
+
+def _read_record(path: Path) -> dict[str, Any] | None:
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def _check() -> bool:
     environment = _environment()
     if environment is None:
         return False
     path = _record_path(environment)
-    try:
-        if json.loads(path.read_text(encoding="utf-8")) == environment:
-            return True
-    except (OSError, ValueError):
-        pass
+    record = _read_record(path)
+    recorded = record.get("builds") if record is not None else None
+    # A record without ``builds`` (an earlier functrain's) is checked again once, to add them.
+    if isinstance(recorded, dict) and all(record.get(k) == v for k, v in environment.items()):
+        _answer_builds({k: v for k, v in recorded.items() if isinstance(v, bool)})
+        return True
     from torch._inductor import cpu_vec_isa
 
     # torch's own check (builds and loads each claimed ISA); all must pass for the patch to be exact.
-    if [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()] != environment["isas"]:
+    builds: dict[str, bool] = {}
+    with _recording_builds(builds):
+        valid = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
+    if valid != environment["isas"]:
         return False
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        replace_text(path, json.dumps(environment, indent=1))
+        replace_text(path, json.dumps({**environment, "builds": builds}, indent=1))
     except OSError:  # a read-only home: this process knows the verdict, the next one checks again
         pass
     return True
