@@ -264,7 +264,11 @@ def compile_phases() -> dict[str, float]:
     from torch._dynamo.utils import compile_times
 
     times = dict(zip(*compile_times(repr="csv", aggregate=True)))
-    names = {"trace": "bytecode_tracing", "aot": "create_aot_dispatcher_function", "inductor": "compile_fx_inner"}
+    names = {
+        "trace": "bytecode_tracing",
+        "aot": "create_aot_dispatcher_function",
+        "inductor": "compile_fx_inner",
+    }
     return {k: round(float(times.get(v, 0.0)), 1) for k, v in names.items()}
 
 

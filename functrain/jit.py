@@ -122,7 +122,9 @@ class CompiledStep:
         functools.update_wrapper(self, pure, updated=())
         self._pure = pure
         # The eager path (and the eager run that explains a trace's error) keeps the state's layouts.
-        self._eager = wrappers.with_own_code(wrappers.donating(pure) if donate else wrappers.keeping_layouts(pure))
+        self._eager = wrappers.with_own_code(
+            wrappers.donating(pure) if donate else wrappers.keeping_layouts(pure)
+        )
         self._lookup_in_traceable = False
         self._settled = not compile  # the step's settling forward runs before the first trace
         self._cache = PortableCache(self.cache_dir, self.__name__) if self.cache_dir is not None else None
