@@ -246,13 +246,30 @@ def child(workload: str, variant: str, args: argparse.Namespace) -> dict[str, An
     else:
         peak = common.peak_rss_mb() / 1024
     compiled = getattr(fn, "compiled", None)
+    phases = compile_phases() if variant not in EAGER else {}
     return {
+        "phases": phases,
         "ms": median,
         "iqr": [low, high],
         "compile_s": max(first_s - median / 1e3, 0.0),
         "peak_gib": peak,
         "compiles": compiled.num_compiles if compiled is not None else None,
     }
+
+
+def compile_phases() -> dict[str, float]:
+    """Seconds of this process's compile in dynamo's trace, AOTAutograd and inductor (``compile_times``)."""
+    if "torch._dynamo" not in sys.modules:
+        return {}
+    from torch._dynamo.utils import compile_times
+
+    times = dict(zip(*compile_times(repr="csv", aggregate=True)))
+    names = {
+        "trace": "bytecode_tracing",
+        "aot": "create_aot_dispatcher_function",
+        "inductor": "compile_fx_inner",
+    }
+    return {k: round(float(times.get(v, 0.0)), 1) for k, v in names.items()}
 
 
 def run_child(workload: str, variant: str, cache_dir: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -269,6 +286,7 @@ def measure(workload: str, variant: str, args: argparse.Namespace) -> dict[str, 
         cold = run_child(workload, variant, cache, args)
         warm = run_child(workload, variant, cache, args) if variant not in EAGER else None
     result = dict(warm or cold, cold_s=cold["compile_s"], warm_s=warm["compile_s"] if warm else None)
+    result["phases"] = {"cold": cold.get("phases", {}), "warm": (warm or {}).get("phases", {})}
     if variant in EAGER:
         result["cold_s"] = None
     return result
@@ -286,18 +304,22 @@ def table(workload: str, results: dict[str, dict[str, Any]], args: argparse.Name
         f"**{workload}** — {describe(workload, args.quick)}",
         "",
         f"| variant | ms/step | IQR | vs best PyTorch | {memory} | vs best PyTorch | compile cold s "
-        "| compile warm s | compiles |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| compile warm s | compiles | cold trace / AOT / inductor s | warm trace / AOT / inductor s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
 
     def sec(x: float | None) -> str:
         return "-" if x is None else f"{x:.1f}"
 
+    def phases(p: dict[str, float]) -> str:
+        return " / ".join(f"{p[k]:.1f}" for k in ("trace", "aot", "inductor")) if p else "-"
+
     for v, r in results.items():
         rows.append(
             f"| {v} | {r['ms']:.2f} | {r['iqr'][0]:.2f}–{r['iqr'][1]:.2f} | {r['ms'] / best_ms:.2f}x "
             f"| {r['peak_gib']:.2f} | {r['peak_gib'] / best_mem:.2f}x | {sec(r['cold_s'])} | {sec(r['warm_s'])} "
-            f"| {r['compiles'] if r['compiles'] is not None else '-'} |"
+            f"| {r['compiles'] if r['compiles'] is not None else '-'} "
+            f"| {phases(r['phases']['cold'])} | {phases(r['phases']['warm'])} |"
         )
     return "\n".join(rows)
 

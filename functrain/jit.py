@@ -120,17 +120,21 @@ class CompiledStep:
         self._warned = False
         pure = self._step.fn  # what dynamo traces: the step's own function (donated=True where it takes it)
         functools.update_wrapper(self, pure, updated=())
-        target = wrappers.with_own_code(wrappers.donating(pure) if donate else wrappers.keeping_layouts(pure))
-        self._eager = target
-        # After the first compile, calls whose inputs pass a cached graph's guards skip dynamo's frame
-        # evaluation (functrain.compile.cache_hits): ~0.1 ms less host time per call.
-        # After a graph break the cached code calls resume functions that only dynamo's frame
-        # evaluation compiles: direct calls need the one graph of fullgraph=True.
-        self._cache_hits = CacheHits(target, enabled=compile and fullgraph)
+        self._pure = pure
+        # The eager path (and the eager run that explains a trace's error) keeps the state's layouts.
+        self._eager = wrappers.with_own_code(
+            wrappers.donating(pure) if donate else wrappers.keeping_layouts(pure)
+        )
         self._lookup_in_traceable = False
         self._settled = not compile  # the step's settling forward runs before the first trace
         self._cache = PortableCache(self.cache_dir, self.__name__) if self.cache_dir is not None else None
         self._options = {"fullgraph": fullgraph, "dynamic": dynamic, "mode": mode, "options": options}
+        # Whether the traced step copies outputs into the strides of the state's tensors (decided at the
+        # first compiled call: only where the state has a permuted layout, or after a graph's outputs
+        # drifted from its inputs' strides): the per-leaf check costs dynamo ~40% of a step's trace.
+        self._layouts_in_graph: bool | None = True if donate or not compile else None
+        self._target = self._eager
+        self._torch_compile: Callable[..., Any] | None = None
         if compile:
             # Imported here, not at module level: a step that never compiles (the eager tier of
             # compile: auto) never loads dynamo nor inductor (~2 s of CPU).
@@ -142,15 +146,43 @@ class CompiledStep:
             # The caller's own filter replaces jit's.
             guard_filter = config.pop("guard_filter_fn", skip_library_guards)
             backend = functools.partial(self._backend, config=config)
-            self._compiled = torch.compile(
-                target,
+            self._torch_compile = functools.partial(
+                torch.compile,
                 fullgraph=fullgraph,
                 dynamic=dynamic,
                 backend=backend,
                 options={"guard_filter_fn": guard_filter},
             )
-        else:
-            self._compiled = target
+        self._use_target(self._eager, enabled=compile and fullgraph)
+
+    def _use_target(self, target: Callable[..., Any], *, enabled: bool) -> None:
+        """Compile ``target`` from now on (a new code object: its own graphs and guards)."""
+        self._target = target
+        # After the first compile, calls whose inputs pass a cached graph's guards skip dynamo's frame
+        # evaluation (functrain.compile.cache_hits): ~0.1 ms less host time per call.
+        # After a graph break the cached code calls resume functions that only dynamo's frame
+        # evaluation compiles: direct calls need the one graph of fullgraph=True.
+        self._cache_hits = CacheHits(target, enabled=enabled)
+        self._compiled = self._torch_compile(target) if self._torch_compile is not None else target
+
+    def _choose_layout_handling(self, state: Any) -> None:
+        """Before the first trace: keep layouts inside the graph only for a state with permuted ones."""
+        self._layouts_in_graph = wrappers.has_permuted_layout(state)
+        if not self._layouts_in_graph:
+            self._use_target(wrappers.with_own_code(self._pure), enabled=self._cache_hits.enabled)
+
+    def _check_layouts(self, state: Any, out: Any) -> Any:
+        """After a compile without the in-graph layout copy: if the graph's state came back in other strides
+        than it went in, restore them here (once) and compile the layout-keeping step from the next call."""
+        restored = wrappers.restore_layouts(state, out)
+        if restored is not out:
+            log.info(
+                "%s: the compiled step returned state tensors in other strides than it was given; "
+                "compiling the layout-keeping step (one more compile)", self.__name__,
+            )  # fmt: skip
+            self._layouts_in_graph = True
+            self._use_target(self._eager, enabled=self._cache_hits.enabled)
+        return restored
 
     @property
     def step(self) -> Step:
@@ -189,7 +221,7 @@ class CompiledStep:
     def _last_guard_failure(self) -> str:
         from torch._dynamo.utils import guard_failures
 
-        code = getattr(self._eager, "__code__", None)
+        code = getattr(self._target, "__code__", None)
         reasons = guard_failures.get(code) if code is not None else None
         if not reasons:
             return "unknown (set TORCH_LOGS=recompiles for details)"
@@ -238,6 +270,8 @@ class CompiledStep:
             if settle is not None:
                 wrappers.settle_eagerly(settle, self.__name__, state, args, kwargs)
             self._settled = True
+        if self._layouts_in_graph is None:
+            self._choose_layout_handling(state)
         compiles, model = self.num_compiles, self._step.model
         # Cache misses are only read to decide whether to write a cache file.
         misses = self._cache.before_call(first=compiles == 0) if self._cache is not None else 0
@@ -281,6 +315,8 @@ class CompiledStep:
         if self.num_compiles != compiles:
             interrupt.close_compile_workers()  # inductor's workers live only while it compiles
             self._compiled_in(time.perf_counter() - started, misses, key)
+            if not self._layouts_in_graph:
+                out = self._check_layouts(state, out)
         elif compiles and self._cache_hits.missed_on_guards:
             self._lookup_in_traceable = True
         return out

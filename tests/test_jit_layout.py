@@ -72,3 +72,41 @@ def test_eval_step_results_pass_through():
     model, state, batch = setup()
     out = ft.jit(ft.make_eval_step(model, ft.supervised_loss(F.cross_entropy)), compile=False)(state, batch)
     assert set(out) >= {"loss", "num_examples"}
+
+
+def with_transposed_weights(train_step):
+    """A step whose new params come back in the transposed strides of a 2-D weight (a layout drift that
+    a graph's outputs can have where its inputs are contiguous)."""
+
+    def step(state, batch):
+        state, metrics = train_step(state, batch)
+        params = {k: v.t().contiguous().t() if v.dim() == 2 else v for k, v in state.params.items()}
+        return state.replace(params=params), metrics
+
+    return step
+
+
+@pytest.mark.compile
+def test_a_contiguous_state_compiles_without_the_layout_copy_and_a_drift_is_restored():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    state = ft.TrainState.create(model, ft.optim.adamw(1e-2))
+    batch = (torch.randn(16, 4), torch.randint(0, 3, (16,)))
+    before = strides(state)
+    train_step = ft.make_train_step(model, ft.supervised_loss(F.cross_entropy))
+    plain = ft.jit(train_step)
+    state_a, _ = plain(state, batch)
+    assert plain._layouts_in_graph is False  # the per-leaf copy is not traced for a contiguous state
+    assert strides(state_a) == before and plain.num_compiles == 1
+
+    drifting = ft.jit(with_transposed_weights(train_step))
+    reference = ft.jit(train_step, compile=False)
+    got, expected = state, state
+    for _ in range(3):
+        got, _ = drifting(got, batch)
+        expected, _ = reference(expected, batch)
+        assert strides(got) == before  # restored eagerly after the first compile, kept in-graph after
+    assert drifting._layouts_in_graph is True and drifting.num_compiles == 2
+    for a, b in zip(torch_pytree.tree_leaves(got), torch_pytree.tree_leaves(expected)):
+        if isinstance(a, torch.Tensor):
+            torch.testing.assert_close(a, b)

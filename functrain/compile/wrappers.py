@@ -22,7 +22,16 @@ import torch.utils._pytree as torch_pytree
 from functrain import tree
 from functrain.compile.cache_hits import with_code
 
-__all__ = ["device_of", "donating", "keeping_layouts", "settle_eagerly", "takes_donated", "with_own_code"]
+__all__ = [
+    "device_of",
+    "donating",
+    "has_permuted_layout",
+    "keeping_layouts",
+    "restore_layouts",
+    "settle_eagerly",
+    "takes_donated",
+    "with_own_code",
+]
 
 log = logging.getLogger("functrain.jit")  # the logger jit's users configure
 
@@ -131,27 +140,45 @@ def keeping_layouts(fn: Callable[..., Any]) -> Callable[..., Any]:
     step cannot drift: it copies into the input's tensors. Here the same copy goes into a fresh tensor of
     the input's layout, only where the strides differ (decided while tracing: nothing is added where they
     match); inductor fuses it into the kernel that computes the value.
+
+    :func:`functrain.jit` traces this wrapper only for a state with a permuted layout: the per-leaf check
+    costs dynamo about 40% of a step's trace. Other states compile the bare step, whose first result per
+    graph is checked eagerly (:func:`restore_layouts`); a drift switches to this wrapper (one compile).
     """
 
     @functools.wraps(fn)
     def layout_keeping_step(state: Any, *args: Any, **kwargs: Any) -> Any:
-        out = fn(state, *args, **kwargs)
-        if not (isinstance(out, tuple) and out and type(out[0]) is type(state)):
-            return out  # an eval or predict step: no new state
-        # Eagerly optree (C++; torch's pytree walks in Python: ~10% of a small CNN's eager step);
-        # traced, torch's pytree, as in donating() above.
-        traced = torch.compiler.is_dynamo_compiling()
-        old_leaves = torch_pytree.tree_leaves(state) if traced else tree.leaves(state)
-        new_leaves, spec = torch_pytree.tree_flatten(out[0]) if traced else tree.flatten(out[0])
-        if len(old_leaves) != len(new_leaves):
-            return out
-        kept = [_like_layout(new, old) for old, new in zip(old_leaves, new_leaves)]
-        if all(k is n for k, n in zip(kept, new_leaves)):
-            return out
-        rebuilt = torch_pytree.tree_unflatten(kept, spec) if traced else tree.unflatten(spec, kept)
-        return (rebuilt, *out[1:])
+        return restore_layouts(state, fn(state, *args, **kwargs))
 
     return layout_keeping_step
+
+
+def has_permuted_layout(state: Any) -> bool:
+    """Whether a tensor of ``state`` is not contiguous (channels_last weights, a transposed buffer): the
+    states whose layout a compiled step must keep inside its graph (:func:`keeping_layouts`)."""
+    return any(isinstance(x, torch.Tensor) and not x.is_contiguous() for x in tree.leaves(state))
+
+
+def restore_layouts(state: Any, out: Any) -> Any:
+    """``out`` (a step's result) with each new state tensor in the strides of the one it replaces; ``out``
+    itself where every stride matches or ``out`` holds no new state (an eval or predict step's results).
+
+    Eagerly the leaves come from optree (C++; torch's pytree walks in Python: ~10% of a small CNN's eager
+    step); traced, from torch's pytree: dynamo cannot trace optree flattening an empty dict (a model
+    without buffers) inside the graph ("SourcelessBuilder ... DictMetaData", torch 2.11-2.13, optree 0.20).
+    """
+    if not (isinstance(out, tuple) and out and type(out[0]) is type(state)):
+        return out
+    traced = torch.compiler.is_dynamo_compiling()
+    old_leaves = torch_pytree.tree_leaves(state) if traced else tree.leaves(state)
+    new_leaves, spec = torch_pytree.tree_flatten(out[0]) if traced else tree.flatten(out[0])
+    if len(old_leaves) != len(new_leaves):
+        return out
+    kept = [_like_layout(new, old) for old, new in zip(old_leaves, new_leaves)]
+    if all(k is n for k, n in zip(kept, new_leaves)):
+        return out
+    rebuilt = torch_pytree.tree_unflatten(kept, spec) if traced else tree.unflatten(spec, kept)
+    return (rebuilt, *out[1:])
 
 
 def _like_layout(new: Any, old: Any) -> Any:
