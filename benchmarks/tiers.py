@@ -18,6 +18,12 @@ Variants:
              its default (compile auto, progress bar, checkpoints every epoch, model summary)
     ft-compiled  the same with compile: true (``--compiled``; cold inductor compiles: slow)
 
+Python's bytecode cache is kept between the children (``PYTHONPYCACHEPREFIX``, one scratch folder per
+invocation, filled by an untimed warm-up run of each job's eager and ft variants): an installed package has
+its ``.pyc`` files, while a source checkout under ``PYTHONDONTWRITEBYTECODE`` would recompile functrain's
+~230 modules (0.2-0.35 s CPU) in every run and charge the Trainer for it; torch's and transformers' are
+cached in site-packages either way. ``--no-bytecode-cache`` measures that setting instead.
+
 Both variants use AdamW (lr 1e-3, no weight decay: the Trainer's default) and the same data order seed;
 accuracy is computed the same way (argmax on a held-out split) from the final weights. Reported per job:
 the median wall time of the whole process and of the training call (from building the model to the end
@@ -188,10 +194,12 @@ def one(job: str, variant: str) -> None:
 # ------------------------------------------------------------------------------------------ rounds
 
 
-def fresh_run(job: str, variant: str) -> dict:
+def fresh_run(job: str, variant: str, pycache: str | None = None) -> dict:
+    load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="tiers-cache-") as cache:
         env = {
             **os.environ,
+            **({"PYTHONPYCACHEPREFIX": pycache, "PYTHONDONTWRITEBYTECODE": ""} if pycache else {}),
             "TMPDIR": cache,  # the run's output_dir too
             "OMP_NUM_THREADS": "1",
             "FUNCTRAIN_CACHE_DIR": os.path.join(cache, "functrain"),
@@ -211,7 +219,7 @@ def fresh_run(job: str, variant: str) -> dict:
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode != 0 or not lines:
         raise RuntimeError(f"{job}/{variant} failed:\n{out.stderr[-3000:]}")
-    return {**json.loads(lines[-1][len("RESULT ") :]), "wall_s": wall, "cpu_s": cpu}
+    return {**json.loads(lines[-1][len("RESULT ") :]), "wall_s": wall, "cpu_s": cpu, "load": load}
 
 
 def main() -> None:
@@ -223,6 +231,9 @@ def main() -> None:
     parser.add_argument("--compiled", action="store_true", help="also ft.Trainer(compile=true)")
     parser.add_argument("--device", default="cpu", help="where both variants train (cpu, cuda)")
     parser.add_argument("--one", nargs=2, metavar=("JOB", "VARIANT"))
+    parser.add_argument(
+        "--no-bytecode-cache", action="store_true", help="children recompile every module (no .pyc kept)"
+    )
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "tiers.md"))
     args = parser.parse_args()
     os.environ["TIERS_BENCH_DEVICE"] = args.device  # the children's
@@ -230,29 +241,43 @@ def main() -> None:
         one(*args.one)
         return
     variants = ["eager", "ft"] + (["ft-compiled"] if args.compiled else [])
+    with tempfile.TemporaryDirectory(prefix="tiers-pycache-") as pycache:
+        rows = rounds(args, variants, None if args.no_bytecode_cache else pycache)
+    write(args, variants, rows)
+
+
+def rounds(args: argparse.Namespace, variants: list[str], pycache: str | None) -> list[dict]:
+    if pycache is not None:
+        for job in args.jobs:  # untimed: fills the bytecode cache every timed run then reads
+            for variant in ("eager", "ft"):  # (not ft-compiled: minutes of compiling for a few .pyc)
+                fresh_run(job, variant, pycache)
     rows: list[dict] = []
     for r in range(args.rounds):
         order = variants[r % len(variants) :] + variants[: r % len(variants)]  # rotated each round
         for job in args.jobs:
             for variant in order:
-                row = fresh_run(job, variant)
+                row = fresh_run(job, variant, pycache)
                 rows.append(row)
                 print(
-                    f"round {r + 1} {job:6s} {variant:11s} process {row['wall_s']:6.2f} s "
+                    f"round {r + 1} {job:6s} {variant:11s} load {row['load']:4.1f} "
+                    f"process {row['wall_s']:6.2f} s "
                     f"({row['cpu_s']:5.2f} s CPU)  train {row['train_s']:6.2f} s ({row['train_cpu']:5.2f} s CPU)"
                     f"  accuracy {row['accuracy']:.3f}  {row.get('plan', '')}",
                     flush=True,
                 )
-    write(args, variants, rows)
+    return rows
 
 
 def write(args: argparse.Namespace, variants: list[str], rows: list[dict]) -> None:
     lines = [
-        f"Run {time.strftime('%Y-%m-%d %H:%M')}, load average at the end {common.load_average()}; "
+        f"Run {time.strftime('%Y-%m-%d %H:%M')}, 1-minute load average before each run "
+        f"{min(r['load'] for r in rows):.1f}-{max(r['load'] for r in rows):.1f}, at the end "
+        f"{common.load_average()}; "
         f"{common.machine()}",
         "",
         f"Command: python benchmarks/tiers.py --rounds {args.rounds} --device {args.device}"
-        + (" --compiled" if args.compiled else ""),
+        + (" --compiled" if args.compiled else "")
+        + (" --no-bytecode-cache" if args.no_bytecode_cache else ""),
         "",
         "Whole jobs in fresh processes (empty functrain and inductor caches, one thread), variants interleaved "
         "in rotated order each round. Medians over rounds; ratios to the eager loop's median, and in brackets "
