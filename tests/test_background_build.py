@@ -14,10 +14,12 @@ import time
 import pytest
 import torch
 from background_recipe import LOSS, dataset, model_and_state
+from test_resume import assert_bitwise_equal
+from test_tiers import arrays
 
 import functrain as ft
 from functrain.compile.background import RUNNING, BackgroundBuild, BuildResult, idle_cores, wanted
-from functrain.compile.tiers import TierEstimates, TierPlan, TierPolicy, tiered
+from functrain.compile.tiers import TieredStep, TierEstimates, TierPlan, TierPolicy
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -82,9 +84,10 @@ class Recording:
 
 def _tiered(policy, build, cold=1000.0):
     model, state = model_and_state()
-    step = tiered(ft.make_train_step(model, LOSS), policy=policy, background=build)
-    step._compile_cost = lambda *call: cold  # the cold compile never pays here
-    return state, step
+    cost = lambda *call: cold  # noqa: E731  (the cold compile never pays here)
+    return state, TieredStep(
+        ft.make_train_step(model, LOSS), policy=policy, background=build, compile_cost=cost
+    )
 
 
 def _run(state, step, steps=12, build=None):
@@ -216,3 +219,53 @@ def test_stop_kills_a_running_child():
 def test_a_recipe_must_name_module_and_function():
     with pytest.raises(ValueError, match="module:function"):
         BackgroundBuild("background_recipe")
+
+
+@pytest.mark.compile
+def test_the_child_warms_the_caches_and_the_run_switches_with_one_compile_and_resumes_bitwise(
+    tmp_path, monkeypatch
+):
+    """A real child compiles the step into an empty inductor cache; the run, waiting for it on the eager
+    tier, switches at step 4 and compiles once itself from that cache (no FX graph cache miss); a run
+    killed after the switch resumes on its recorded plan (no child) and ends bitwise as the whole run."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # shared with the child
+    monkeypatch.setenv("FUNCTRAIN_CACHE_DIR", str(tmp_path / "functrain"))
+
+    class WaitForTheBuild(ft.callbacks.Callback):  # the run would outpace the child: make the timing fixed
+        def __init__(self, step, stop_at=None):
+            self.step, self.stop_at = step, stop_at
+
+        def on_step_end(self, state, ctx):
+            deadline = time.monotonic() + 600
+            while ctx.step == 4 and self.step.background.poll() == RUNNING and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if ctx.step == self.stop_at:
+                ctx.control.stop("killed", final=False)
+            return state
+
+    def run(out, stop_at=None, resume=False):
+        model, state = model_and_state()
+        build = BackgroundBuild("background_recipe:warmups")
+        cost = lambda *call: 1e6  # noqa: E731  (cold: only the warm cost can switch)
+        step = TieredStep(
+            ft.make_train_step(model, LOSS), policy=Recording(), background=build, compile_cost=cost
+        )
+        result = ft.fit(
+            state, step, dataset(40), batch_size=8, epochs=3, checkpoints=out, save_every=2,
+            resume_from_checkpoint=resume, progress_bar=False, callbacks=[WaitForTheBuild(step, stop_at)],
+        )  # fmt: skip
+        return result, step, build
+
+    misses, hits = counters["inductor"]["fxgraph_cache_miss"], counters["inductor"]["fxgraph_cache_hit"]
+    full, step, build = run(tmp_path / "full")
+    assert isinstance(build.poll(), BuildResult), build.failure
+    assert step.plan.decided_at == step.plan.switch_at == 4 and step.num_compiles == 1
+    assert counters["inductor"]["fxgraph_cache_miss"] == misses  # the child compiled it, not this process
+    assert counters["inductor"]["fxgraph_cache_hit"] > hits
+
+    run(tmp_path / "part", stop_at=6)
+    resumed, step, build = run(tmp_path / "part", resume=True)
+    assert not build.started and step.plan.switch_at == 4 and step.num_compiles == 1
+    assert_bitwise_equal(arrays(full.state), arrays(resumed.state))
