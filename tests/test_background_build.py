@@ -269,3 +269,45 @@ def test_the_child_warms_the_caches_and_the_run_switches_with_one_compile_and_re
     resumed, step, build = run(tmp_path / "part", resume=True)
     assert not build.started and step.plan.switch_at == 4 and step.num_compiles == 1
     assert_bitwise_equal(arrays(full.state), arrays(resumed.state))
+
+
+def _trainer(tmp_path, **fields):
+    from functrain.cli.main import trainer_from_config
+
+    config = {
+        "output_dir": str(tmp_path), "epochs": 1, "batch_size": 8, "model": "models:mlp",
+        "train_dataset": "background_recipe:dataset", "eval_dataset": "background_recipe:dataset",
+        "progress_bar": False, "compile_background": True, **fields,
+    }  # fmt: skip
+    return trainer_from_config(ft.TrainerConfig.from_dict(config))
+
+
+def test_the_trainer_gives_a_run_its_config_rebuilds_a_child_that_builds_the_same_steps(tmp_path):
+    from functrain.trainer.background import warmups
+
+    trainer = _trainer(tmp_path)
+    step = trainer._jit("train")
+    assert isinstance(step.background, BackgroundBuild) and not step.background.started
+    assert step.background.kwargs["config"]["compile_background"] is False  # the child builds no child
+    train, evaluate = warmups(step.background.kwargs["config"])  # what the child compiles
+    rows = trainer.config.batch_size
+    batch = next(trainer._loader(trainer.train_dataset, rows, train=True).epoch(0))  # what fit gives the step
+    assert train.step.compile_key(train.state, train.args, {}) == step.compile_key(
+        trainer.state, (batch,), {}
+    )
+    assert evaluate.step.__name__ == trainer._jit("eval").__name__
+
+
+def test_the_trainer_builds_no_child_where_turned_off_or_not_rebuildable(tmp_path, caplog):
+    assert _trainer(tmp_path / "a", compile_background=False)._jit("train").background is None
+    assert _trainer(tmp_path / "b", compile_background="auto", compile=True)._jit("train").num_compiles == 0
+    with pytest.raises(ft.ConfigError, match="compile_background"):
+        ft.TrainerConfig.from_dict({"epochs": 1, "compile": True, "compile_background": True})
+    rebuilt = _trainer(tmp_path / "c")
+    with caplog.at_level(logging.WARNING, logger="functrain.jit"):
+        loss = lambda model, batch: LOSS(model, batch)  # noqa: E731
+        given = ft.Trainer(
+            rebuilt.model, rebuilt.config, rebuilt.train_dataset, rebuilt.eval_dataset, loss_fn=loss
+        )
+        assert given._jit("train").background is None
+    assert "cannot be rebuilt" in caplog.text and "loss_fn" in caplog.text

@@ -45,6 +45,7 @@ import tempfile
 import time
 import weakref
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -175,7 +176,9 @@ class BackgroundBuild:
         spec_path = os.path.join(self._dir, _SPEC)
         with open(spec_path, "w", encoding="utf-8") as f:
             json.dump(spec, f)
-        env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": str(self.workers)}
+        package = str(Path(__file__).resolve().parents[2])  # the folder holding this functrain package
+        path = os.pathsep.join(p for p in (package, os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, "PYTHONPATH": path, "TORCHINDUCTOR_COMPILE_THREADS": str(self.workers)}
         with open(os.path.join(self._dir, _OUTPUT), "wb") as output:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "functrain.compile.background", spec_path],
@@ -206,6 +209,9 @@ class BackgroundBuild:
 
     def stop(self) -> None:
         """Kill the child and the compilers it started (a no-op once it is done), and remove its files."""
+        if self._process is not None and self._result is None and self._process.poll() is not None:
+            self.poll()  # done but not yet read: keep its result
+            return
         if self._process is not None and self._process.poll() is None:
             _kill_group(self._process.pid)
             with contextlib.suppress(subprocess.TimeoutExpired):

@@ -280,12 +280,9 @@ class TieredStep:
 
     def at_step(self, step: int, total: int) -> str:
         """At the boundary before step ``step + 1`` of a run that ends at ``total``: decide once enough eager
-        steps are timed (and log the decision), then set and return the tier that takes the next step."""
+        steps are timed (and log the decision; one that would stay eager waits for a background build
+        running), then set and return the tier that takes the next step."""
         measured = len(self.eager_seconds) >= self.policy.measure_steps
-        if self.plan.decided_at is None and self.background is not None and not self.background.started:
-            self.background.start()
-            log.info("%s: building the inductor step in the background (pid %s)", self.__name__,
-                     self.background.pid)  # fmt: skip
         if self._waiting is not None:
             self._after_background(step, total)
         elif (
@@ -298,6 +295,10 @@ class TieredStep:
                 self._waiting = (seconds, cost, self._key)  # decided once the caches are warm
             else:
                 self._take(plan)
+        if self.plan.decided_at is None and self.background is not None and not self.background.started:
+            self.background.start()
+            log.info("%s: building the inductor step in the background (pid %s)", self.__name__,
+                     self.background.pid)  # fmt: skip
         self.tier = self.plan.tier_at(step)
         return self.tier
 
