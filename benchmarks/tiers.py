@@ -17,6 +17,9 @@ Variants:
     ft       ft.Trainer(model, {output_dir, epochs, batch_size}, train_set).train(): every other field
              its default (compile auto, progress bar, checkpoints every epoch, model summary)
     ft-compiled  the same with compile: true (``--compiled``; cold inductor compiles: slow)
+    ft-background  the ft run built from a config of import specs with compile_background: true
+             (``--background``): a niced child process compiles the steps into the fresh inductor cache
+             beside the run (its CPU time counted in the process's), the run switches where it pays
 
 Python's bytecode cache is kept between the children (``PYTHONPYCACHEPREFIX``, one scratch folder per
 invocation, filled by an untimed warm-up run of each job's eager and ft variants): an installed package has
@@ -180,8 +183,54 @@ def ft_trainer(job: str, compile: bool | str) -> dict:
     }
 
 
+def job_model(job: str) -> nn.Module:
+    """The job's model, for a config's import spec (``tiers:digits_model``)."""
+    return (bert_data() if job == "bert" else digits_data())[0]
+
+
+def job_train(job: str):
+    return (bert_data() if job == "bert" else digits_data())[1]
+
+
+def ft_background(job: str) -> dict:
+    """``ft.Trainer`` with its defaults and ``compile_background: true``, built from a config of import
+    specs as ``functrain train`` builds it (functrain.cli.main.trainer_from_config), so that its child
+    process rebuilds the run and compiles it into the (fresh) inductor cache while the run goes on eagerly;
+    the run switches where the warm compile pays."""
+    import functrain as ft
+    from functrain.cli.main import trainer_from_config
+
+    started, cpu = time.perf_counter(), time.process_time()
+    name = "bert" if job == "bert" else "digits"
+    _, _, test, batch_size = bert_data() if job == "bert" else digits_data()
+    config = {
+        "output_dir": tempfile.mkdtemp(prefix="tiers-bench-"), "epochs": JOBS[job], "batch_size": batch_size,
+        "device": DEVICE, "compile_background": True,
+        "model": {"target": "tiers:job_model", "args": [name]},
+        "train_dataset": {"target": "tiers:job_train", "args": [name]},
+    }  # fmt: skip
+    trainer = trainer_from_config(ft.TrainerConfig.from_dict(config))
+    result = trainer.train()
+    train_s, train_cpu = time.perf_counter() - started, time.process_time() - cpu
+    model = trainer.model
+    trained = {**result.state.params, **result.state.buffers}
+    model.load_state_dict({k: v for k, v in trained.items() if k in model.state_dict()})
+    step = trainer._jitted["train"]
+    built = step.background.poll() if step.background is not None else "none"
+    return {
+        "train_s": train_s,
+        "train_cpu": train_cpu,
+        "accuracy": accuracy(model, test),
+        "plan": (step.plan.describe() if step.plan.decided_at is not None else "")
+        + (f" [child built in {built.cold_seconds:.0f} s, warm {built.warm_seconds:.1f} s]"
+           if hasattr(built, "cold_seconds") else f" [child {built}: {step.background.failure}]"),
+        "compiles": step.num_compiles,
+    }  # fmt: skip
+
+
 VARIANTS = {"eager": eager_loop, "ft": lambda job: ft_trainer(job, "auto")}
 VARIANTS["ft-compiled"] = lambda job: ft_trainer(job, True)
+VARIANTS["ft-background"] = ft_background
 
 
 def one(job: str, variant: str) -> None:
@@ -230,6 +279,9 @@ def main() -> None:
     parser.add_argument("--jobs", nargs="+", default=["bert", "digits"], choices=list(JOBS))
     parser.add_argument("--compiled", action="store_true", help="also ft.Trainer(compile=true)")
     parser.add_argument("--device", default="cpu", help="where both variants train (cpu, cuda)")
+    parser.add_argument(
+        "--background", action="store_true", help="also ft.Trainer(compile_background=true): a child compiles"
+    )
     parser.add_argument("--one", nargs=2, metavar=("JOB", "VARIANT"))
     parser.add_argument(
         "--no-bytecode-cache", action="store_true", help="children recompile every module (no .pyc kept)"
@@ -241,6 +293,7 @@ def main() -> None:
         one(*args.one)
         return
     variants = ["eager", "ft"] + (["ft-compiled"] if args.compiled else [])
+    variants += ["ft-background"] if args.background else []
     with tempfile.TemporaryDirectory(prefix="tiers-pycache-") as pycache:
         rows = rounds(args, variants, None if args.no_bytecode_cache else pycache)
     write(args, variants, rows)
@@ -277,7 +330,8 @@ def write(args: argparse.Namespace, variants: list[str], rows: list[dict]) -> No
         "",
         f"Command: python benchmarks/tiers.py --rounds {args.rounds} --device {args.device}"
         + (" --compiled" if args.compiled else "")
-        + (" --no-bytecode-cache" if args.no_bytecode_cache else ""),
+        + (" --no-bytecode-cache" if args.no_bytecode_cache else "")
+        + (" --background" if args.background else ""),
         "",
         "Whole jobs in fresh processes (empty functrain and inductor caches, one thread), variants interleaved "
         "in rotated order each round. Medians over rounds; ratios to the eager loop's median, and in brackets "

@@ -52,13 +52,21 @@ training was preempted, its checkpoint saved: continue it with the printed comma
 
 
 def _build_trainer(config_path: str | None, overrides: Sequence[str], *, resume: str | None = None) -> Any:
-    from functrain.config import ConfigError, add_import_dirs, build_object
-    from functrain.trainer import Trainer
+    from functrain.config import add_import_dirs
 
     # mytask.py beside run.yaml (or in the current directory) imports without PYTHONPATH; a resumed run
     # imports from where its config was first read (its launch.json)
     add_import_dirs(_import_dirs(config_path, resume))
     cfg, _ = load_config(config_path, overrides, resume=resume)
+    return trainer_from_config(cfg)
+
+
+def trainer_from_config(cfg: Any) -> Any:
+    """The Trainer a loaded config's import specs describe (model, datasets), seeded by ``cfg.seed``; a
+    background build rebuilds a run's steps with it (:mod:`functrain.trainer.background`)."""
+    from functrain.config import ConfigError, build_object
+    from functrain.trainer import Trainer
+
     if cfg.model is None:
         raise ConfigError.single("model", "the config names no model", "set model: package.module:ModelClass")
 

@@ -9,7 +9,10 @@ step boundary asks a :class:`TierPolicy` whether inductor pays over the steps le
              else a cold prior by device and model size, times how much slower than its CPU time the
              eager step ran on a CPU (a machine busy with other work slows a compile as much as the steps)
 
-It switches only where ``saving > cost``. The decision is a :class:`TierPlan` (the step it was taken at, the
+It switches only where ``saving > cost``. Given a :class:`~functrain.compile.background.BackgroundBuild`
+(where cores are idle), the step starts it at its first boundary: a child process compiles the step into
+the shared caches while the run goes on eagerly; a decision that would stay eager waits for it, then weighs
+the warm compile's cost instead (:mod:`functrain.compile.background`). The decision is a :class:`TierPlan` (the step it was taken at, the
 step from which inductor runs, both estimates): logged in one line, kept in the run's checkpoints by
 ``fit``, so a resume takes each step on the same tier as the uninterrupted run and stays bitwise. A run
 resumed from a checkpoint saved before the decision decides again, on its own measurements.
@@ -34,6 +37,7 @@ from typing import Any, Protocol
 import torch
 
 from functrain.compile import compile_times
+from functrain.compile.background import RUNNING, BackgroundBuild, BuildResult
 from functrain.compile.wrappers import device_of
 from functrain.step import Step, as_step
 from functrain.step.batch import is_short
@@ -215,9 +219,11 @@ class TieredStep:
         seed: bool = True,
         rank: int | None = None,
         rows: int | None = None,
+        background: BackgroundBuild | None = None,
         **jit_options: Any,
     ) -> None:
         self.fn = fn
+        self.background = background  # started at the first boundary of an undecided run
         self.rows = rows  # a full batch's examples: a shorter batch runs eagerly on the inductor tier too
         self._step = as_step(fn)
         self.__name__ = getattr(self._step.fn, "__name__", "step")
@@ -238,6 +244,9 @@ class TieredStep:
         self._inductor: Callable[..., Any] | None = None
         self.leader: TieredStep | None = None
         self.followers: list[TieredStep] = []
+        # Measured and would stay eager, waiting for the background build: (eager step s, cost s, key).
+        self._waiting: tuple[float, float, str | None] | None = None
+        self._key: str | None = None
 
     @property
     def step(self) -> Step:
@@ -271,17 +280,62 @@ class TieredStep:
 
     def at_step(self, step: int, total: int) -> str:
         """At the boundary before step ``step + 1`` of a run that ends at ``total``: decide once enough eager
-        steps are timed (and log the decision), then set and return the tier that takes the next step."""
+        steps are timed (and log the decision; one that would stay eager waits for a background build
+        running), then set and return the tier that takes the next step."""
         measured = len(self.eager_seconds) >= self.policy.measure_steps
-        if self.plan.decided_at is None and measured and (self.policy.measure_steps == 0 or self._last_call):
+        if self._waiting is not None:
+            self._after_background(step, total)
+        elif (
+            self.plan.decided_at is None and measured and (self.policy.measure_steps == 0 or self._last_call)
+        ):
             seconds = statistics.median(self.eager_seconds) if self.eager_seconds else math.nan
             cost = self._cost() if self.policy.measure_steps else 0.0
-            self.plan = _rank_zero_plan(
-                self.policy.decide(step, TierEstimates(max(total - step, 0), seconds, cost))
-            )
-            log.info("%s: %s", self.__name__, self.plan.describe())
+            plan = self.policy.decide(step, TierEstimates(max(total - step, 0), seconds, cost))
+            if plan.switch_at is None and self._building():
+                self._waiting = (seconds, cost, self._key)  # decided once the caches are warm
+            else:
+                self._take(plan)
+        if self.plan.decided_at is None and self.background is not None and not self.background.started:
+            self.background.start()
+            log.info("%s: building the inductor step in the background (pid %s)", self.__name__,
+                     self.background.pid)  # fmt: skip
         self.tier = self.plan.tier_at(step)
         return self.tier
+
+    def _building(self) -> bool:
+        """Whether a background build runs (not under torchrun: every rank decides at the same step)."""
+        from functrain.distributed.env import is_distributed
+
+        return self.background is not None and self.background.poll() == RUNNING and not is_distributed()
+
+    def _take(self, plan: TierPlan, note: str = "") -> None:
+        self.plan = _rank_zero_plan(plan)
+        log.info("%s: %s%s", self.__name__, note, self.plan.describe())
+        self.close()
+
+    def _after_background(self, step: int, total: int) -> None:
+        """Waiting for the background build: decide once it is done (with the warm cost if it built this
+        step), or on the last step (eager: it can no longer pay)."""
+        assert self._waiting is not None and self.background is not None
+        result = self.background.poll()
+        if result == RUNNING and step < total - 1:
+            return
+        seconds, cost, key = self._waiting
+        self._waiting = None
+        note = ""
+        if isinstance(result, BuildResult) and result.key == key:
+            cost = result.warm_seconds  # timed in the child beside this run: its load included
+            note = f"caches warmed in the background in {result.cold_seconds:.0f} s; "
+        elif isinstance(result, BuildResult):
+            note = "the background build compiled another step (its recipe differs); "
+        elif result != RUNNING:
+            note = f"the background build failed ({self.background.failure}); "
+        self._take(self.policy.decide(step, TierEstimates(max(total - step, 0), seconds, cost)), note)
+
+    def close(self) -> None:
+        """Stop the background build, if any (the run decided, ended or was interrupted)."""
+        if self.background is not None:
+            self.background.stop()
 
     def __call__(self, state: Any, *args: Any, **kwargs: Any) -> Any:
         if self.current_tier == INDUCTOR and not (args and is_short(args[0], self.rows)):
@@ -311,15 +365,25 @@ class TieredStep:
         assert self._last_call is not None
         state, args, kwargs = self._last_call
         self._last_call = None  # not kept alive: a donated state's tensors are the next state's
+        try:
+            self._key = self.compile_key(state, args, kwargs)
+        except Exception as e:  # only the record is lost: the prior stands in
+            log.debug("%s: no compile key (%s: %s)", self.__name__, type(e).__name__, e)
+            self._key = None
         own = self._compile_cost(state, args, kwargs)
         return own * (1 + _FOLLOWER_COST * len(self.followers))
+
+    def compile_key(self, state: Any, args: tuple, kwargs: dict) -> str:
+        """The key jit records this step's compile under (:func:`functrain.compile.compile_times.compile_key`)
+        for a call ``self(state, *args, **kwargs)``."""
+        options = {k: self._jit_options.get(k, d) for k, d in _COMPILE_OPTIONS.items()}
+        return compile_times.compile_key(self.__name__, self._step.model, (state, args, kwargs), options)
 
     def _estimated_cost(self, state: Any, args: tuple, kwargs: dict) -> float:
         """The last compile of this step on this machine where functrain's cache dir records it (near zero
         after a warm start), else :func:`cold_compile_seconds`."""
-        options = {k: self._jit_options.get(k, d) for k, d in _COMPILE_OPTIONS.items()}
         try:
-            key = compile_times.compile_key(self.__name__, self._step.model, (state, args, kwargs), options)
+            key = self._key if self._key is not None else self.compile_key(state, args, kwargs)
             recorded = compile_times.estimate(key)
         except Exception as e:  # only the record is lost: the prior stands in
             log.debug("%s: no recorded compile time (%s: %s)", self.__name__, type(e).__name__, e)
@@ -376,6 +440,7 @@ def tiered(
     seed: bool = True,
     rank: int | None = None,
     rows: int | None = None,
+    background: BackgroundBuild | None = None,
     **jit_options: Any,
 ) -> TieredStep:
     """``fn`` as a :class:`TieredStep`: eager first, :func:`functrain.jit`'s inductor step where it pays.
@@ -383,13 +448,23 @@ def tiered(
     ``jit_options`` (``mode``, ``dynamic``, ``options``, ``cache_dir``, ``max_compiles``...) go to the
     inductor step's :func:`functrain.jit`; ``donate``, ``seed`` and ``rank`` to both tiers. ``rows`` (a
     full batch's examples): on the inductor tier a shorter batch (a set's last) runs on the eager step,
-    exactly and without a second compile (:mod:`functrain.trainer.short_batch` says why).
+    exactly and without a second compile (:mod:`functrain.trainer.short_batch` says why). ``background``:
+    a :class:`~functrain.compile.background.BackgroundBuild` that warms the caches beside the run.
 
     Example:
         >>> step = tiered(make_train_step(model, loss), policy=TierPolicy(speedup=1.3))
         >>> ft.fit(state, step, data, batch_size=32, epochs=20).state.step
     """
-    return TieredStep(fn, policy=policy, donate=donate, seed=seed, rank=rank, rows=rows, **jit_options)
+    return TieredStep(
+        fn,
+        policy=policy,
+        donate=donate,
+        seed=seed,
+        rank=rank,
+        rows=rows,
+        background=background,
+        **jit_options,
+    )
 
 
 def tiered_steps(steps: Sequence[Any]) -> list[TieredStep]:

@@ -404,6 +404,14 @@ class TrainerConfig(ConfigSection):
         "long enough for it to pay (functrain.compile.tiers); true: always compile, waiting for it; false: "
         "always eager.",
     )
+    compile_background: bool | Literal["auto"] = option(
+        "auto",
+        doc="With compile: auto, compile the train and eval steps in a low-priority child process while the "
+        "run goes on eagerly, then switch where the warm compile pays (functrain.compile.background). Only "
+        "for runs the config rebuilds (model and train_dataset import specs, a plain Trainer). 'auto': where "
+        "cores are idle (the cores less torch's threads and the load; one host thread on a GPU); true/false: "
+        "always/never.",
+    )
     compile_mode: CompileMode | None = option(None, doc="torch.compile mode; null: PyTorch's default.")
     compile_dynamic: bool | None = option(
         False,
@@ -695,6 +703,15 @@ class TrainerConfig(ConfigSection):
         if self.compile_mode is not None and not self.compile:
             yield Problem(
                 "compile_mode", "is set but compile is false", "set compile=true, or compile_mode=null"
+            )
+
+    @rule("compile", "compile_background")
+    def _background_needs_auto(self) -> Iterable[Problem]:
+        if self.compile_background is True and self.compile != "auto":
+            yield Problem(
+                "compile_background",
+                f"is true but compile is {self.compile!r}: only the tiered step switches to a build made beside it",
+                "set compile=auto, or compile_background=auto",
             )
 
     @rule("max_steps", "scheduler")

@@ -583,7 +583,7 @@ def steps(
 
 
 def compiled(
-    config: TrainerConfig, kind: str, fn: Step, rows: int | None = None
+    config: TrainerConfig, kind: str, fn: Step, rows: int | None = None, background: Any = None
 ) -> CompiledStep | TieredStep:
     """``fn`` (the ``kind`` ``"train"``/``"eval"``/``"predict"`` step) under :func:`functrain.jit` as the
     config asks: compiled, eager or tiered (``compile: auto``: eager first, compiled where it pays;
@@ -591,7 +591,8 @@ def compiled(
     run directory (opt-in: its files are pickles). Compiled (``compile: true``, or ``auto`` once on the
     inductor tier), in one process, the train step runs a short last batch eagerly (:class:`~functrain.trainer.short_batch.EagerShortBatches`): one
     compile, exact, BatchNorm included, for any dataset length (``rows``: a full batch's,
-    :func:`batch_rows`)."""
+    :func:`batch_rows`). ``background``: the tiered train step's
+    :class:`~functrain.compile.background.BackgroundBuild` (:mod:`functrain.trainer.background`)."""
     cache_dir = Path(config.output_dir) / COMPILE_CACHE_DIR if config.compile_cache else None
     options = dict(
         mode=config.compile_mode,
@@ -601,7 +602,7 @@ def compiled(
     )
     short_eager = kind == "train" and rows is not None and not distributed.is_distributed()
     if config.compile == "auto":
-        return tiered(fn, rows=rows if short_eager else None, **options)
+        return tiered(fn, rows=rows if short_eager else None, background=background, **options)
     if config.compile is True and short_eager:
         from functrain.trainer.short_batch import EagerShortBatches  # imports dynamo: only where it compiles
 

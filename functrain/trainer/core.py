@@ -38,13 +38,14 @@ from torch import nn
 from functrain import callbacks as cbs
 from functrain import checkpoint, distributed, ensemble, optim
 from functrain.checkpoint import restore_onto
+from functrain.compile.tiers import TieredStep
 from functrain.config import ConfigError, Problem, TrainerConfig
 from functrain.distributed.data_ranks import data_ranks
 from functrain.loop import FitResult, data_key, evaluate, fit, predict
 from functrain.state import TrainState
 from functrain.step import Step
 from functrain.step.batch import inputs_and_target
-from functrain.trainer import averaging, batches, build, run_dir, sharded_state, sweep
+from functrain.trainer import averaging, background, batches, build, run_dir, sharded_state, sweep
 
 __all__ = ["Trainer"]
 
@@ -233,6 +234,8 @@ class Trainer:
         finally:  # also when training fails or is interrupted: W&B finishes its run, MLflow marks it
             for lg in loggers:  # finished, files are closed
                 lg.close()
+            if isinstance(self._jitted.get("train"), TieredStep):  # its background build, if any, ends
+                self._jitted["train"].close()
         if cfg.load_best_model_at_end and manager.best() is not None:
             result.state = _with_best(cfg, result.state, manager.restore("best")["state"])
         self.state, self.result = result.state, result
@@ -336,7 +339,8 @@ class Trainer:
         """The ``kind`` step compiled as the config asks (once per trainer)."""
         if kind not in self._jitted:
             rows = build.batch_rows(self.config, self.train_dataset) if kind == "train" else None
-            self._jitted[kind] = build.compiled(self.config, kind, self._step(kind), rows)
+            building = background.background_build(self) if kind == "train" else None
+            self._jitted[kind] = build.compiled(self.config, kind, self._step(kind), rows, building)
         return self._jitted[kind]
 
     def _loader(self, dataset: Any, batch_size: int, *, train: bool) -> Any:
