@@ -3,7 +3,7 @@ one process on the global batches.
 
 One torchrun launch per mode of ``tp_zero_worker.py``: ``eager`` (levels none/optimizer/grads/params, 8
 AdamW steps with clipping; bytes at rest; gather -> place; the eval forward; the refusals; bf16 compute
-with float32 masters).
+with float32 masters) and, marked ``compile``, ``compile`` (compiling is refused, naming why).
 """
 
 from __future__ import annotations
@@ -73,3 +73,11 @@ def test_bf16_compute_with_float32_masters_is_as_close_to_float32_as_one_process
         # gradients moves params by up to ~lr * steps; TP x ZeRO-3 adds nothing to what one process in
         # bf16 already differs by (a wrong split or reduction would be far off both)
         assert bf16["params"] <= 1.5 * bf16["one_process_params"], bf16
+
+
+@pytest.mark.compile
+def test_compiling_tp_with_zero_is_refused_naming_why(tmp_path: str) -> None:
+    # inductor fails on the graph (a device_mesh._get_submesh node); the step says so rather than crash in
+    # inductor's lowering. TP x dp without ZeRO compiles (test_tensor_parallel.py).
+    for out in _torchrun("compile", str(tmp_path), 4, script="tp_zero_worker.py"):
+        assert "does not compile yet" in out["params"] and "compile=False" in out["params"], out

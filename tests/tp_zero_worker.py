@@ -5,8 +5,8 @@ tests launch; each rank computes the one-process reference itself (``tp_worker``
 
 Modes: ``eager`` (8 AdamW steps with clipping at ZeRO levels none/optimizer/grads/params against one
 process on the global batches; bytes at rest; gather -> place round trips; the eval forward; the
-refusals; bf16 compute with float32 masters against float32), ``compile`` (levels optimizer and params
-compiled, one compile each). Each rank writes ``OUT_DIR/<mode>_rank<r>.pt`` (a test artefact read back by
+refusals; bf16 compute with float32 masters against float32), ``compile`` (ZeRO-3 compiled: refused
+while inductor cannot lower the graph). Each rank writes ``OUT_DIR/<mode>_rank<r>.pt`` (a test artefact read back by
 the test, not a checkpoint).
 """
 
@@ -177,10 +177,10 @@ def main() -> None:
         out["refusals"] = refusals(mesh)
         out["bf16"] = bf16(mesh)
     elif mode == "compile":
-        for level in ("optimizer", "params"):
-            # clip 1e3: a factor of exactly 1 (see tp_worker's "compile": a float32 ulp of the clip
-            # factor becomes 2e-9 through AdamW)
-            out[level] = run(mesh, level, compile=True, clip=1e3)
+        try:  # inductor cannot lower the graph yet: refused at trace time, naming why
+            out["params"] = run(mesh, "params", compile=True, clip=1e3)
+        except Exception as e:  # dynamo wraps the step's NotImplementedError in its Unsupported
+            out["params"] = f"{type(e).__name__}: {e}"
     else:
         raise SystemExit(f"unknown mode {mode}")
     torch.save(out, os.path.join(out_dir, f"{mode}_rank{rank}.pt"))

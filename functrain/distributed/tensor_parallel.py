@@ -357,6 +357,14 @@ class TensorParallel(Replicated):
     def params_for_grad(self, state: Any) -> dict[str, torch.Tensor]:
         """The DTensor params the forward and backward run on: ZeRO-3's row pieces gathered over dp (and
         the replicated params over tp) outside the differentiated function."""
+        if self.zero is not None and torch.compiler.is_dynamo_compiling():
+            raise NotImplementedError(
+                "tensor parallelism with ZeRO (sharding=) does not compile yet: torch 2.13's inductor "
+                "fails on the graph (make_fx rebuilds a tp DeviceMesh with a device_mesh._get_submesh node "
+                "that inductor cannot lower: 'device_mesh._get_submesh is not an OpOverload'); run this step "
+                "eagerly (ft.jit(step, compile=False), Trainer compile: false), or compile tensor "
+                "parallelism without sharding="
+            )
         return self.forward_params(state.params)
 
     def micro_grads(self, state: Any, grads: Any, examples: Examples | None) -> Any:
