@@ -47,7 +47,8 @@ def test_a_plan_that_cannot_be_applied_is_refused_naming_the_module(eager: list[
     assert "'columnwise'" in refused["bad_style"], refused
     assert "'head.weight' has 13 along dim 0" in refused["indivisible"], refused
     assert "fp16 loss scaling is not supported" in refused["fp16"], refused
-    assert "ZeRO (fully_shard) over the dp axis of a tp mesh is not supported" in refused["zero"], refused
+    # a state sharded by TrainState.create(sharding=) is refused; ZeRO under TP is tensor_parallel(sharding=)
+    assert "tensor_parallel(model, plan, mesh, sharding=fully_shard(mesh['dp']" in refused["zero"], refused
 
 
 def test_tp2_by_dp2_equals_one_process_on_the_global_batch(tmp_path: str) -> None:

@@ -38,7 +38,7 @@ from functrain.distributed.gradients import GradientReducer
 from functrain.distributed.sharding import Sharding, ShardLayout, local_rows
 from functrain.distributed.strategy import Examples, Reduced, Replicated
 
-__all__ = ["ShardedStep", "apply_full_gradients", "global_norm_fn"]
+__all__ = ["ShardedStep", "apply_full_gradients", "global_norm_fn", "weigh_grads"]
 
 
 def global_norm_fn(sharding: Sharding) -> Callable[[list[torch.Tensor]], list[torch.Tensor]] | None:
@@ -149,16 +149,9 @@ class ShardedStep(Replicated):
         self, state: Any, grads: Mapping[str, torch.Tensor], n: Examples, weighted: bool = False
     ) -> dict[str, torch.Tensor]:
         master = {k: v.dtype for k, v in state.params.items()}
-        factor = 1 if weighted else n  # with blocks the loss was already weighted by n
-
-        # an empty batch's loss and gradients may be NaN; a padded batch's real rows (a tensor) may be 0,
-        # but its masked loss is finite
-        empty = isinstance(n, int) and n == 0
-
-        def weigh(k: str, g: torch.Tensor) -> torch.Tensor:
-            return torch.zeros_like(g, dtype=master[k]) if empty else g.to(master[k]) * factor
-
-        return self.layout(state).reduce_scatter({k: weigh(k, g) for k, g in grads.items()}, master)
+        # with blocks the loss was already weighted by n
+        factor = 1 if weighted else n
+        return self.layout(state).reduce_scatter(weigh_grads(grads, master, n, factor), master)
 
     def micro_grads(self, state: Any, grads: Any, examples: Examples | None) -> Any:
         """A micro-batch's gradients: reduce-scattered at once (ZeRO-2/3) or kept whole (ZeRO-1). With
@@ -204,6 +197,26 @@ class ShardedStep(Replicated):
     def params_at_rest(self, state: Any, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The updated rows as the state keeps its params."""
         return self.layout(state).at_rest(params)
+
+
+def weigh_grads(
+    grads: Mapping[str, torch.Tensor],
+    master: Mapping[str, torch.dtype],
+    examples: Examples,
+    factor: Examples | None = None,
+) -> dict[str, torch.Tensor]:
+    """``grad * factor`` (default: ``examples``) in the ``master`` dtypes, the summands of a
+    reduce-scatter; zeros for an empty batch (its loss and gradients may be NaN; a padded batch's real
+    rows, a tensor, may be 0, but its masked loss is finite).
+
+    Example:
+        >>> weigh_grads({"w": torch.ones(2)}, {"w": torch.float64}, 3)
+        {'w': tensor([3., 3.], dtype=torch.float64)}
+    """
+    if isinstance(examples, int) and examples == 0:
+        return {k: torch.zeros_like(g, dtype=master[k]) for k, g in grads.items()}
+    factor = examples if factor is None else factor
+    return {k: g.to(master[k]) * factor for k, g in grads.items()}
 
 
 def apply_full_gradients(state: Any, grads: Mapping[str, torch.Tensor]) -> Any:

@@ -325,6 +325,13 @@ class ShardLayout:
         total = _collective("all_reduce", squares, "sum", group=self.request.group).sqrt()
         return [total[i].to(n.dtype) for i, n in enumerate(norms)]
 
+    def forward_params(self, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The params a forward runs on (the eval step's): ZeRO-3's shards gathered (in ``param_dtype``
+        if set), else the params as they are. Traceable."""
+        if self.request.shards_params:
+            return self.gather(params, self.request.param_dtype)
+        return dict(params)
+
     # ------------------------------------------------------------------ eager, outside the step
 
     def full_params(self, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -44,11 +45,12 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch.distributed.tensor.experimental import implicit_replication
 
 from functrain.core import foreach
-from functrain.core.tree_walk import rebuild
+from functrain.core.tree_walk import leaves_with_paths, rebuild
 from functrain.distributed.gradients import GradientReducer
-from functrain.distributed.sharding import _collective
+from functrain.distributed.sharding import Sharding, _collective
 from functrain.distributed.strategy import Examples, Reduced, Replicated
 from functrain.distributed.tp_forward import mark_placed
+from functrain.distributed.tp_sharding import TPShards
 
 __all__ = [
     "GPT2_PLAN",
@@ -179,23 +181,39 @@ class TensorParallel(Replicated):
         (Shard(dim=0),)
     """
 
-    shards_params = False  # as a layout's request (TrainState.layout): params are not ZeRO-3 shards
-
-    def __init__(self, model: nn.Module, plan: Plan, mesh: DeviceMesh, dp_group: Any = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: Plan,
+        mesh: DeviceMesh,
+        dp_group: Any = None,
+        sharding: Sharding | None = None,
+    ) -> None:
         self.mesh = mesh
         self.plan = dict(plan)
         # data parallelism over the other mesh dim: each tp group its own batch, gradients averaged
-        self.dp = GradientReducer(model=model, group=dp_group) if dp_group is not None else None
+        buffers = sharding.buffers if sharding is not None else "mean"
+        self.dp = (
+            GradientReducer(buffers=buffers, model=model, group=dp_group) if dp_group is not None else None
+        )
         self.reducer = self.dp
         self.counts_examples = self.dp is not None
         split = _resolve(model, plan, mesh.size())
         self.placements: dict[str, tuple[Placement, ...]] = {}
-        for name, _ in model.named_parameters():
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name, p in model.named_parameters():
             dim = split.get(name, (None, "", ""))[0]
             self.placements[name] = (Replicate(),) if dim is None else (Shard(dim),)
+            shapes[name] = tuple(p.shape)
+        self.shapes = shapes
         self.model = model
         self.group = mesh.get_group()
-        self.norm = self._norms  # a mesh of one too: DTensor leaves, plain norms (the loop sums them)
+        # ZeRO over dp: every leaf's optimizer state (and params at level "params") kept as row pieces
+        self.zero = TPShards(sharding, mesh, self.placements, shapes) if sharding is not None else None
+        self.level = sharding.level if sharding is not None else None
+        self.shards_params = self.level == "params"  # as a layout's request (TrainState.layout)
+        # A mesh of one too: DTensor leaves, plain norms (the loop sums them).
+        self.norm = self.zero.norms if self.zero is not None else self._norms
         self.request = self  # what a TrainState.layout's readers ask (request.shards_params)
 
     # ------------------------------------------------------------------ the state
@@ -204,19 +222,22 @@ class TensorParallel(Replicated):
         """``state`` (whole params, as ``TrainState.create`` or a restored checkpoint gives it) with every
         param and every optimizer moment of a param's shape as a DTensor of this plan: each rank keeps its
         part (global rank 0's values on every rank, as :func:`functrain.distributed.replicate` makes: over
-        the tp mesh, and over the dp replicas of a 2-D mesh). Collective."""
+        the tp mesh, and over the dp replicas of a 2-D mesh). With ZeRO (``sharding=``) the moments, and
+        at level ``"params"`` the params, are kept as this rank's row pieces
+        (:mod:`functrain.distributed.tp_sharding`). Collective."""
         if getattr(state, "layout", None) is not None:
             raise ValueError(
                 f"TensorParallel.place: the state already has a layout ({type(state.layout).__name__}); "
                 "place a state made by TrainState.create(model, tx) without sharding=, or tp.gather(state). "
-                "ZeRO (fully_shard) over the dp axis of a tp mesh is not supported yet: its row shards and "
-                "its collectives are on plain tensors, and ZeRO-3's blocks gather inside the gradient with "
-                "an autograd.Function of plain tensors, neither of which knows a DTensor's parts"
+                "For ZeRO over the dp axis of a 2-D mesh pass the request to tensor_parallel(model, plan, "
+                "mesh, sharding=fully_shard(mesh['dp'], level=...)) and place the whole state"
             )
         shapes = {n: tuple(p.shape) for n, p in state.params.items()}
         missing = sorted(set(self.placements) - set(shapes))[:8]
         if missing:
             raise ValueError(f"TensorParallel.place: the state lacks the model's params {missing}")
+        if self.zero is not None:
+            self._refuse_unshardable(state, shapes)
 
         def leaf(path: tuple[Any, ...], x: Any) -> Any:
             name = self._param_of(path, x, shapes)
@@ -229,7 +250,10 @@ class TensorParallel(Replicated):
                 x = x.contiguous().clone()
                 dist.broadcast(x, src=dist.get_global_rank(self.dp.group, 0), group=self.dp.group)
             # src_data_rank=0: the tp group's rank 0's values on all its ranks (a broadcast, then a local cut)
-            return distribute_tensor(x, self.mesh, self.placements[name], src_data_rank=0)
+            placed = distribute_tensor(x, self.mesh, self.placements[name], src_data_rank=0)
+            if self.zero is not None and (path[0] == "opt_state" or self.shards_params):
+                return self.zero.rows({name: placed})[name]
+            return placed
 
         mark_placed(self.model)  # its compiled step is traced with implicit replication (functrain.jit)
         return rebuild(state, leaf).replace(layout=self)
@@ -238,21 +262,72 @@ class TensorParallel(Replicated):
         """The state with every DTensor whole (plain tensors, ``layout=None``): what one process training
         on the same batches would hold; save it, evaluate it or :meth:`place` it on another mesh.
         Collective: every rank of the mesh calls it."""
-        return rebuild(state, lambda path, x: x.full_tensor() if isinstance(x, DTensor) else x).replace(
-            layout=None
-        )
+
+        def leaf(path: tuple[Any, ...], x: Any) -> Any:
+            if not isinstance(x, DTensor):
+                return x
+            name = path[-1] if len(path) >= 2 and path[0] in ("params", "opt_state") else None
+            if self.zero is not None and name in self.placements and self._is_rows(path, name, x):
+                x = self.zero.whole({name: x})[name]
+            return x.full_tensor()
+
+        return rebuild(state, leaf).replace(layout=None)
+
+    def _is_rows(self, path: tuple[Any, ...], name: str, x: DTensor) -> bool:
+        """Whether a DTensor leaf of a ZeRO state is a row piece: ZeRO-3's params, every moment."""
+        if path[0] == "params" and not self.shards_params:
+            return False
+        if not self.zero.is_rows(name, x):  # type: ignore[union-attr]
+            raise ValueError(
+                f"TensorParallel.gather: {'/'.join(map(str, path))} is a DTensor of shape {tuple(x.shape)}, "
+                f"not a row piece of {name!r} ({self.zero.row_shapes[name]}); was the state placed by this "  # type: ignore[union-attr]
+                "strategy (tp.place)?"
+            )
+        return True
 
     def full_params(self, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The whole params (``TrainState.state_dict()``). Collective."""
+        if self.shards_params:
+            params = self.forward_params(params)
         return {n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in params.items()}
+
+    def forward_params(self, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The params a forward runs on (the eval step's): whole DTensors (ZeRO-3's gathered)."""
+        return self.zero.whole(params) if self.shards_params else dict(params)  # type: ignore[union-attr]
+
+    @property
+    def num_params(self) -> int:
+        """Parameter elements of the whole model."""
+        return sum(math.prod(s) for s in self.shapes.values())
 
     def full_state(self, state: Any) -> Any:
         """:meth:`gather` (what a layout's readers call)."""
         return self.gather(state)
 
     def at_rest(self, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Params as the state keeps them: as they are (the optimizer updated the DTensors)."""
+        """What the optimizer updated (its row pieces under ZeRO) as the state keeps its params: the row
+        pieces gathered whole under ZeRO-1/2, else as they are. Collective under ZeRO-1/2."""
+        if self.zero is not None and not self.shards_params:
+            return self.zero.whole(params)
         return dict(params)
+
+    def _refuse_unshardable(self, state: Any, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """ZeRO cuts each optimizer leaf of a param's shape into row pieces; a leaf named after a param
+        with another shape (a factored moment) would stay whole while its gradient is a piece."""
+        for path, x in leaves_with_paths(state.opt_state):
+            name = path[-1] if path else None
+            if (
+                isinstance(x, torch.Tensor)
+                and x.ndim > 0
+                and name in shapes
+                and tuple(x.shape) != shapes[name]
+            ):
+                raise ValueError(
+                    f"TensorParallel.place: opt_state/{'/'.join(map(str, path))} has shape {tuple(x.shape)}, "
+                    f"not the shape of param {name!r} {shapes[name]}: ZeRO over dp (sharding=) keeps row "
+                    "pieces of elementwise optimizer states only; use an optimizer whose state has each "
+                    "param's shape (adamw, sgd, lion, ...) or no sharding="
+                )
 
     def _param_of(self, path: tuple[Any, ...], x: Any, shapes: Mapping[str, tuple[int, ...]]) -> str | None:
         """The param a state leaf is (``params/<name>``) or a moment of (``opt_state/.../<name>`` with the
@@ -277,6 +352,41 @@ class TensorParallel(Replicated):
         """Whole plain params (the eager forward ``jit`` runs before its first trace)."""
         return self.full_params(state.params)
 
+    def params_for_grad(self, state: Any) -> dict[str, torch.Tensor]:
+        """The DTensor params the forward and backward run on: ZeRO-3's row pieces gathered over dp (and
+        the replicated params over tp) outside the differentiated function."""
+        if self.zero is not None and torch.compiler.is_dynamo_compiling():
+            raise NotImplementedError(
+                "tensor parallelism with ZeRO (sharding=) does not compile yet: torch 2.13's inductor "
+                "fails on the graph (make_fx rebuilds a tp DeviceMesh with a device_mesh._get_submesh node "
+                "that inductor cannot lower: 'device_mesh._get_submesh is not an OpOverload'); run this step "
+                "eagerly (ft.jit(step, compile=False), Trainer compile: false), or compile tensor "
+                "parallelism without sharding="
+            )
+        return self.forward_params(state.params)
+
+    def micro_grads(self, state: Any, grads: Any, examples: Examples | None) -> Any:
+        """ZeRO-2/3: a micro-batch's gradients reduce-scattered over dp at once (``grad * examples``
+        summed, row pieces); otherwise kept whole."""
+        if self.zero is None or self.level == "optimizer":
+            return grads
+        return {k: self.zero.wrap(k, g) for k, g in self._scatter(state, grads, examples).items()}
+
+    def _scatter(self, state: Any, grads: Any, examples: Examples | None) -> dict[str, torch.Tensor]:
+        assert self.zero is not None and examples is not None  # counts_examples with a dp axis
+        master = {k: v.dtype for k, v in state.params.items()}
+        return self.zero.scatter({k: self._as_param(k, g) for k, g in grads.items()}, master, examples)
+
+    def opt_params(self, state: Any) -> dict[str, torch.Tensor]:
+        """What the optimizer updates: the params, or under ZeRO this rank's row pieces of them."""
+        if self.zero is None or self.shards_params:
+            return dict(state.params)
+        return self.zero.rows(state.params)
+
+    def params_at_rest(self, state: Any, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The updated params (row pieces under ZeRO) as the state keeps them."""
+        return self.at_rest(params)
+
     def reduce(
         self,
         state: Any,
@@ -294,15 +404,20 @@ class TensorParallel(Replicated):
                 "rank's parts of the gradients only, and the ranks could disagree on skipping a step); use "
                 "precision='bf16'"
             )
-        grads = {k: self._as_param(k, g) for k, g in grads.items()}
         loss, metrics = _local(loss), {k: _local(v) for k, v in metrics.items()}
         if self.dp is None:
-            return grads, loss, metrics, dict(buffers)
+            return {k: self._as_param(k, g) for k, g in grads.items()}, loss, metrics, dict(buffers)
         assert examples is not None  # counts_examples
         _, loss, metrics, buffers, total = self.dp.combine(
             {}, loss, metrics, buffers, state.buffers, examples
         )
-        return self._dp_mean(grads, examples, total), loss, metrics, buffers
+        if self.zero is None:
+            grads = {k: self._as_param(k, g) for k, g in grads.items()}
+            return self._dp_mean(grads, examples, total), loss, metrics, buffers
+        # this rank's rows of the example-weighted sum over dp, divided by the global example count
+        rows = self._scatter(state, grads, examples) if self.level == "optimizer" else _locals(grads)
+        mean = {k: self.zero.wrap(k, g.div_(total.to(g.dtype))) for k, g in rows.items()}
+        return mean, loss, metrics, buffers
 
     def _dp_mean(self, grads: Mapping[str, DTensor], n: Examples, total: torch.Tensor) -> dict[str, DTensor]:
         """The example-weighted mean over the data-parallel ranks of each rank's gradient parts, in the
@@ -354,6 +469,10 @@ class TensorParallel(Replicated):
         return f"TensorParallel(mesh size {self.mesh.size()}, {split} of {len(self.placements)} params split)"
 
 
+def _locals(grads: Mapping[str, DTensor]) -> dict[str, torch.Tensor]:
+    return {k: g.to_local() for k, g in grads.items()}
+
+
 def _is_split(x: DTensor) -> bool:
     return any(isinstance(p, Shard) for p in x.placements)
 
@@ -367,12 +486,20 @@ def _local(x: torch.Tensor) -> torch.Tensor:
     return x.to_local()
 
 
-def tensor_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> TensorParallel:
+def tensor_parallel(
+    model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None, *, sharding: Sharding | None = None
+) -> TensorParallel:
     """The tensor-parallel strategy for ``model``: ``plan`` resolved to a placement per parameter over ``mesh``
     (a 1-D ``DeviceMesh``; default: every rank of the ``torchrun`` world). A 2-D mesh with dims named
     ``("dp", "tp")`` adds data parallelism over ``dp``: each tp group takes its own batch (the same on
     its tp ranks), and gradients, loss and metrics are averaged over ``dp`` weighted by examples, in the
     gradients' own dtype; ``place`` gives every replica the first tp group's values.
+
+    ``sharding=fully_shard(mesh["dp"], level=...)`` (2-D mesh only) adds ZeRO over ``dp``: ``"optimizer"``
+    and ``"grads"`` keep 1/(dp * tp) of every optimizer moment per rank (the gradients reduce-scattered
+    over dp once per step, or per micro-batch), ``"params"`` the params too, gathered outside the
+    gradient for the step (its peak holds the tp parts whole; :mod:`functrain.distributed.tp_sharding`).
+    ``blocks=`` (gathers inside the gradient) and ``param_dtype=`` are refused (use ``precision="bf16"``).
 
     Refuses a plan entry that matches no submodule, a style other than ``"colwise"``, ``"rowwise"``,
     ``"replicate"``, a split of a layer that is not an ``nn.Linear``, ``nn.Embedding`` or Hugging Face
@@ -402,6 +529,11 @@ def tensor_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"tensor_parallel: mesh must be a DeviceMesh, got {type(mesh).__name__}")
     if mesh.ndim == 1:
+        if sharding is not None:
+            raise ValueError(
+                "tensor_parallel: sharding= shards over the dp axis of a 2-D mesh, and this mesh is 1-D (tp "
+                "only); pass init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), or no sharding="
+            )
         return TensorParallel(model, plan, mesh)
     names = tuple(mesh.mesh_dim_names or ())
     if mesh.ndim != 2 or set(names) != {"dp", "tp"}:
@@ -410,7 +542,37 @@ def tensor_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None
             f"'tp' (init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp'))); got {mesh.ndim}-D "
             f"named {names}"
         )
-    return TensorParallel(model, plan, mesh["tp"], dp_group=mesh["dp"].get_group())
+    if sharding is not None:
+        _check_sharding(sharding, mesh["dp"])
+    return TensorParallel(model, plan, mesh["tp"], dp_group=mesh["dp"].get_group(), sharding=sharding)
+
+
+def _check_sharding(sharding: Sharding, dp: DeviceMesh) -> None:
+    """ZeRO's request must shard over this mesh's dp axis, and ask for nothing TP cannot do right."""
+    if not isinstance(sharding, Sharding):
+        raise TypeError(
+            f"tensor_parallel: sharding must come from functrain.distributed.fully_shard(...), got "
+            f"{type(sharding).__name__}"
+        )
+    ranks = dp.mesh.flatten().tolist()
+    if sharding.group is None or dist.get_process_group_ranks(sharding.group) != ranks:
+        raise ValueError(
+            f"tensor_parallel: sharding= must shard over the mesh's dp axis (ranks {ranks} here), got "
+            f"{sharding!r}; pass fully_shard(mesh['dp'], level=...)"
+        )
+    if sharding.blocks is not None:
+        raise ValueError(
+            "tensor_parallel: fully_shard(blocks=...) is not supported with tensor parallelism: the blocks "
+            "gather their params inside the differentiated function, and making a gathered tp part a DTensor "
+            "there needs DTensor.from_local, an autograd.Function without setup_context, which torch.func's "
+            "transforms refuse; use fully_shard(mesh['dp'], level='params') without blocks (gathered for "
+            "the whole step, outside the gradient)"
+        )
+    if sharding.param_dtype is not None:
+        raise ValueError(
+            "tensor_parallel: fully_shard(param_dtype=...) is not supported with tensor parallelism; "
+            "compute in bf16 with float32 params by make_train_step(..., precision='bf16')"
+        )
 
 
 def _refuse_dropout(model: nn.Module) -> None:

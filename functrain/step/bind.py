@@ -188,8 +188,6 @@ def checkpoint_routing(model: nn.Module | ApplyFn) -> contextlib.AbstractContext
 
 def forward_params(state: Any) -> Any:
     """The params a forward runs on: a ZeRO-3 state's shards all-gathered (one traced collective per
-    dtype; the layout is a static field of the state), anything else as it is."""
+    dtype; the layout is a static field of the state, its ``forward_params``), anything else as it is."""
     layout = getattr(state, "layout", None)
-    if layout is not None and layout.request.shards_params:
-        return layout.gather(state.params, layout.request.param_dtype)
-    return state.params
+    return state.params if layout is None else layout.forward_params(state.params)
