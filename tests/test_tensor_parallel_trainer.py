@@ -180,6 +180,14 @@ def test_the_trainer_with_tensor_parallel_equals_one_process(runs: list[dict], r
 
 
 @pytest.mark.slow
+def test_a_sum_type_train_metric_counts_each_tp_group_once(runs: list[dict]) -> None:
+    for out in runs:
+        dp = out["world_size"] // 2
+        # 2 steps per log of 4 examples per dp group (a tp group's ranks computed the same count)
+        assert [value for _, value in out["train_seen"]] == [2.0 * 4 * dp] * 2, out["train_seen"]
+
+
+@pytest.mark.slow
 def test_each_rank_holds_its_half_of_the_split_layers(runs: list[dict]) -> None:
     for out in runs:
         shapes = out["local_shapes"]

@@ -23,6 +23,7 @@ from torchrun_exit import exit_skipping_teardown
 
 import functrain as ft
 from functrain import distributed
+from functrain.trainer.core import _losses
 
 
 def trainer(out: dict[str, Any], out_dir: str) -> None:
@@ -49,8 +50,22 @@ def trainer(out: dict[str, Any], out_dir: str) -> None:
     )
     loaded = fresh.load(path)
     out["loaded"] = fresh.tensor_parallel.gather(loaded).params
+    out["train_seen"] = _train_seen(t)
     out["mismatched"] = _mismatched_batches(t)
     out["second_batch"] = {when: _second_batch_differs(t, when) for when in ("first", "every")}
+
+
+def _train_seen(t: ft.Trainer) -> list[float]:
+    """``fit`` with a sum-type train metric (examples seen), logged every 2 steps of 4 examples per dp
+    group: each tp group counts its examples once, so each log says ``2 * 4 * dp``."""
+    seen = ft.metrics.Collection({"seen": fixtures.Seen()})
+    step = ft.make_train_step(t.model, _losses(t).train, metrics=seen, strategy=t.tensor_parallel)
+    data = fixtures.tokens(16 * dist.get_world_size() // 2)  # 4 steps of 4 examples per dp group
+    result = ft.fit(
+        t.state.replace(metrics=seen.empty()), step, data, batch_size=4, additional_steps=4, log_steps=2,
+        progress_bar=False,
+    )  # fmt: skip
+    return result.history.series("train/seen")
 
 
 def _mismatched_batches(t: ft.Trainer) -> str:
