@@ -50,9 +50,33 @@ def trainer(out: dict[str, Any], out_dir: str) -> None:
     )
     loaded = fresh.load(path)
     out["loaded"] = fresh.tensor_parallel.gather(loaded).params
+    out["resumed"] = _resumed(config, out_dir)
     out["train_seen"] = _train_seen(t)
     out["mismatched"] = _mismatched_batches(t)
     out["second_batch"] = {when: _second_batch_differs(t, when) for when in ("first", "every")}
+
+
+def _resumed(config: ft.TrainerConfig, out_dir: str) -> dict[str, Any]:
+    """The same run stopped after its first epoch (checkpoint saved at each epoch end), then resumed by a
+    second Trainer with ``resume_from_checkpoint``: its gathered params at the end, and the checkpoint."""
+    config = config.replace(output_dir=os.path.join(out_dir, "resumed"), save_strategy="epoch")
+    first = ft.Trainer(
+        fixtures.gpt(), config.replace(epochs=1), fixtures.tokens(48), fixtures.tokens(20, seed=1)
+    )
+    first.train()
+    again = ft.Trainer(
+        fixtures.gpt(seed=3), config.replace(resume_from_checkpoint=True), fixtures.tokens(48),
+        fixtures.tokens(20, seed=1),
+    )  # fmt: skip
+    again.train()
+    whole = again.tensor_parallel.gather(again.state)
+    files = [os.path.join(d, f) for d, _, fs in os.walk(config.output_dir) for f in fs if f.endswith(".ckpt")]
+    return {
+        "params": whole.params,
+        "opt_state": ft.tree.leaves(whole.opt_state),
+        "step": int(again.state.step),
+        "checkpoints": {ft.checkpoint.read_header(f).step: f for f in files},
+    }
 
 
 def _train_seen(t: ft.Trainer) -> list[float]:
