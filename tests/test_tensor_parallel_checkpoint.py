@@ -99,3 +99,11 @@ def test_fit_saves_a_placed_state_and_resumes_it_placed_or_on_a_plain_state(fitt
     assert fitted["plain"]["step"] == worker.STEPS and fitted["plain"]["vs_uninterrupted"] <= OTHER_LAYOUT
     # a DTensor outside a placed state has no strategy to gather it: refused, saying what to save
     assert "outside a tensor-parallel TrainState" in fitted["stray"] and "full_tensor()" in fitted["stray"]
+
+
+def test_a_sharded_checkpoint_of_a_placed_state_is_refused_with_the_reason(fitted: dict) -> None:
+    # save_sharded would write one whole copy per rank and restore_sharded would not place the tensors
+    for name in ("save", "restore"):
+        message = fitted["sharded"][name]
+        assert f"{name}_sharded: the state is a tensor-parallel state" in message, message
+        assert "saved whole" in message and "CheckpointManager" in message, message

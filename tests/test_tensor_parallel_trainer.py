@@ -53,8 +53,6 @@ def test_tensor_parallel_fields_from_yaml_overrides_and_help() -> None:
         ({"mixed_precision": "fp16", "device": "cuda"}, "mixed_precision"),
         ({"dp_l2_norm_clip": 1.0, "dp_noise_multiplier": 1.0}, "dp_l2_norm_clip"),
         ({"sam_rho": 0.05}, "sam_rho"),
-        ({"save_strategy": "epoch"}, "save_strategy"),
-        ({"resume_from_checkpoint": True}, "resume_from_checkpoint"),
     ],
 )
 def test_what_tensor_parallelism_cannot_do_is_refused_by_the_config(fields: dict, named: str) -> None:
@@ -177,6 +175,39 @@ def test_the_trainer_with_tensor_parallel_equals_one_process(runs: list[dict], r
                 torch.testing.assert_close(a, b, rtol=0, atol=F64)
         assert out["eval"] == pytest.approx(reference.evaluate(), abs=F32)  # counted once per tp group
         torch.testing.assert_close(out["loaded"], out["params"], rtol=0, atol=0)  # Trainer.save / load
+
+
+@pytest.mark.slow
+def test_a_run_stopped_and_resumed_from_its_checkpoint_is_the_uninterrupted_run(runs: list[dict]) -> None:
+    for out in runs:
+        resumed = out["resumed"]
+        assert resumed["step"] == out["step"] == 12, resumed  # epoch 1 saved at step 6, resumed to 12
+        torch.testing.assert_close(resumed["params"], out["params"], rtol=0, atol=0)  # bitwise
+        for a, b in zip(resumed["opt_state"], out["opt_state"]):
+            if isinstance(a, torch.Tensor):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_checkpoint_resumes_in_one_process(runs: list[dict], tmp_path: Path) -> None:
+    for out in runs:
+        saved = out["resumed"]["checkpoints"][6]  # the epoch-1 checkpoint of the tp run
+        t = ft.Trainer(
+            fixtures.gpt(seed=3), fixtures.config(tmp_path / str(out["world_size"]), resume_from_checkpoint=saved),
+            fixtures.tokens(48), fixtures.tokens(20, seed=1),
+        )  # fmt: skip
+        t.train()
+        assert int(t.state.step) == 12
+        for k, p in t.state.params.items():  # the split matmuls sum in another order
+            torch.testing.assert_close(p, out["params"][k], rtol=0, atol=F64)
+
+
+@pytest.mark.slow
+def test_a_sum_type_train_metric_counts_each_tp_group_once(runs: list[dict]) -> None:
+    for out in runs:
+        dp = out["world_size"] // 2
+        # 2 steps per log of 4 examples per dp group (a tp group's ranks computed the same count)
+        assert [value for _, value in out["train_seen"]] == [2.0 * 4 * dp] * 2, out["train_seen"]
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ from torchrun_exit import exit_skipping_teardown
 import functrain as ft
 from functrain import distributed
 from functrain.callbacks import Callback
+from functrain.checkpoint import sharded
 from functrain.data import Loader
 
 STEPS, GLOBAL_BATCH, SAVED = 8, 8, 4
@@ -189,6 +190,16 @@ def fit_mode(out_dir: str) -> dict[str, Any]:
         out["stray"] = "written"
     except ft.checkpoint.CheckpointError as e:
         out["stray"] = str(e)
+    out["sharded"] = {}
+    for name, call in (
+        ("save", lambda: sharded.save_sharded(os.path.join(out_dir, "sharded"), SAVED, state)),
+        ("restore", lambda: sharded.restore_sharded(os.path.join(out_dir, "sharded"), target=state)),
+    ):
+        try:  # a placed state is saved whole by its strategy: a sharded checkpoint of it is refused
+            call()
+            out["sharded"][name] = "accepted"
+        except ft.checkpoint.CheckpointError as e:
+            out["sharded"][name] = str(e)
     for name in ("placed", "plain"):
         directory = os.path.join(out_dir, f"fit_{name}")
         os.makedirs(directory)

@@ -20,6 +20,13 @@ class LastTokenGPT(tp_worker.GPT):
         return super().forward(tokens)[:, -1]
 
 
+class Seen(ft.metrics.Accuracy):
+    """A sum-type metric: the number of examples trained on (Accuracy's ``"sum"``-reduced count)."""
+
+    def compute(self, state: Any) -> torch.Tensor:
+        return state.count.double()
+
+
 def gpt(seed: int = 0) -> LastTokenGPT:
     """The model in float64, its weights from ``seed``."""
     torch.manual_seed(seed)

@@ -23,6 +23,7 @@ from torchrun_exit import exit_skipping_teardown
 
 import functrain as ft
 from functrain import distributed
+from functrain.trainer.core import _losses
 
 
 def trainer(out: dict[str, Any], out_dir: str) -> None:
@@ -49,8 +50,46 @@ def trainer(out: dict[str, Any], out_dir: str) -> None:
     )
     loaded = fresh.load(path)
     out["loaded"] = fresh.tensor_parallel.gather(loaded).params
+    out["resumed"] = _resumed(config, out_dir)
+    out["train_seen"] = _train_seen(t)
     out["mismatched"] = _mismatched_batches(t)
     out["second_batch"] = {when: _second_batch_differs(t, when) for when in ("first", "every")}
+
+
+def _resumed(config: ft.TrainerConfig, out_dir: str) -> dict[str, Any]:
+    """The same run stopped after its first epoch (checkpoint saved at each epoch end), then resumed by a
+    second Trainer with ``resume_from_checkpoint``: its gathered params at the end, and the checkpoint."""
+    config = config.replace(output_dir=os.path.join(out_dir, "resumed"), save_strategy="epoch")
+    first = ft.Trainer(
+        fixtures.gpt(), config.replace(epochs=1), fixtures.tokens(48), fixtures.tokens(20, seed=1)
+    )
+    first.train()
+    again = ft.Trainer(
+        fixtures.gpt(seed=3), config.replace(resume_from_checkpoint=True), fixtures.tokens(48),
+        fixtures.tokens(20, seed=1),
+    )  # fmt: skip
+    again.train()
+    whole = again.tensor_parallel.gather(again.state)
+    files = [os.path.join(d, f) for d, _, fs in os.walk(config.output_dir) for f in fs if f.endswith(".ckpt")]
+    return {
+        "params": whole.params,
+        "opt_state": ft.tree.leaves(whole.opt_state),
+        "step": int(again.state.step),
+        "checkpoints": {ft.checkpoint.read_header(f).step: f for f in files},
+    }
+
+
+def _train_seen(t: ft.Trainer) -> list[float]:
+    """``fit`` with a sum-type train metric (examples seen), logged every 2 steps of 4 examples per dp
+    group: each tp group counts its examples once, so each log says ``2 * 4 * dp``."""
+    seen = ft.metrics.Collection({"seen": fixtures.Seen()})
+    step = ft.make_train_step(t.model, _losses(t).train, metrics=seen, strategy=t.tensor_parallel)
+    data = fixtures.tokens(16 * dist.get_world_size() // 2)  # 4 steps of 4 examples per dp group
+    result = ft.fit(
+        t.state.replace(metrics=seen.empty()), step, data, batch_size=4, additional_steps=4, log_steps=2,
+        progress_bar=False,
+    )  # fmt: skip
+    return result.history.series("train/seen")
 
 
 def _mismatched_batches(t: ft.Trainer) -> str:

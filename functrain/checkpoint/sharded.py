@@ -16,7 +16,8 @@ refuses a file in the wrong slot: a writer that put one rank's shard under every
 A shard is the leaf's rows ``[r * k, (r + 1) * k)`` after zero-padding dim 0 to a multiple of the world
 size, so a restore on any world size reads, for each leaf, only the rows its new block needs from the
 files that hold them (one saved shard in memory at a time); with no process group (or ``target=None``)
-the whole state is assembled.
+the whole state is assembled. A tensor-parallel state is refused (save and restore): it has no rows of
+its own, it is saved whole by ``CheckpointManager`` (:mod:`functrain.checkpoint.placed`).
 
 Example:
     >>> save_sharded("run", 100, state)  # doctest: +SKIP   (every rank calls it)
@@ -43,6 +44,7 @@ from functrain.checkpoint import structure
 from functrain.checkpoint.errors import CheckpointError
 from functrain.checkpoint.folder import CheckpointFolder
 from functrain.checkpoint.onto import fit_checkpoint_hint
+from functrain.checkpoint.placed import placed_states
 from functrain.checkpoint.shard_shapes import WHOLE_SHAPE, sharded_leaves, sharded_states
 from functrain.core.tree_walk import Path, leaves_with_paths, rebuild
 from functrain.distributed.sharding import local_rows
@@ -82,6 +84,20 @@ def _group_of(obj: Any) -> tuple[Any, int, int]:
     return None, 0, 1
 
 
+def _refuse_placed(obj: Any, what: str) -> None:
+    """A tensor-parallel state has no rows of its own to write: it is saved whole (its strategy gathers it),
+    so each rank's file would hold one more whole copy and a restore would not place it."""
+    found = placed_states(obj)
+    if found:
+        where = tree.path_str(found[0][0]) if found[0][0] else "the state"
+        raise CheckpointError(
+            f"{what}: {where} is a tensor-parallel state; sharded checkpoints hold each rank's rows of a "
+            "ZeRO-sharded state, and a tensor-parallel state is saved whole (gathered over its mesh) and "
+            "placed on load: use ft.checkpoint.save / CheckpointManager (every rank calls them; one file, "
+            "resumable on any layout)"
+        )
+
+
 def _all_ok(ok: bool, group: Any, world_size: int) -> bool:
     if world_size == 1:
         return ok
@@ -109,6 +125,7 @@ def save_sharded(
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise CheckpointError(f"save_sharded: step={step!r} must be a non-negative int")
+    _refuse_placed(state, "save_sharded")
     group, rank, world = _group_of(state)
     folder = _step_dir(directory, step)
     if rank == 0:
@@ -292,6 +309,7 @@ def restore_sharded(
     Example:
         >>> state = restore_sharded("run", target=state)  # doctest: +SKIP
     """
+    _refuse_placed(target, "restore_sharded")
     if step is None:
         step = latest_sharded(directory)
         if step is None:

@@ -452,8 +452,8 @@ class TrainerConfig(ConfigSection):
         "(dp, tp) mesh of world_size/N x N, each dp group reading its own slice of the data and its N ranks "
         "the same batch. The plan: tensor_parallel_plan, else the first of functrain.distributed's GPT_PLAN "
         "(nanoGPT-style attn.q/k/v/proj, mlp.fc/proj), GPT2_PLAN (Hugging Face GPT-2), LLAMA_PLAN (Hugging Face "
-        "Llama) whose every entry names layers of the model. 1: off. Not with sharding, sweep, fp16, DP-SGD, "
-        "SAM, or checkpoints (save_strategy: no) yet.",
+        "Llama) whose every entry names layers of the model. 1: off. Not with sharding, sweep, fp16, DP-SGD "
+        "or SAM yet.",
         minimum=1,
     )
     tensor_parallel_plan: dict[str, Literal["colwise", "rowwise", "replicate"]] | None = option(
@@ -854,7 +854,7 @@ _NOT_SHARDED: dict[str, tuple[Any, str, str]] = {
 }
 
 # What a tensor-parallel state (DTensor params, functrain.distributed.tensor_parallel) refuses, in config
-# terms: what a sharded state refuses, and more; the checkpoint entries go once the loop saves a TP state.
+# terms: what a sharded state refuses, and more (its checkpoints are saved whole and resume on any layout).
 _NOT_WITH_TP: dict[str, tuple[Any, str, str]] = {
     "sharding": (
         lambda c: c.sharding != "none",
@@ -866,17 +866,6 @@ _NOT_WITH_TP: dict[str, tuple[Any, str, str]] = {
         lambda c: c.dp_l2_norm_clip is not None,
         "per-example gradients of DTensor params are not supported",
         "remove dp_l2_norm_clip",
-    ),
-    "save_strategy": (
-        lambda c: c.save_strategy != "no",
-        "the loop's checkpoints of a tensor-parallel state are not written yet (the checkpoint format "
-        "refuses DTensors; Trainer.save writes the gathered state)",
-        "set save_strategy=no",
-    ),
-    "resume_from_checkpoint": (
-        lambda c: c.resume_from_checkpoint is not False,
-        "the loop's checkpoints of a tensor-parallel state are not written yet",
-        "set resume_from_checkpoint=false (Trainer.load reads a gathered state)",
     ),
 }
 

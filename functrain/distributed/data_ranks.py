@@ -23,11 +23,22 @@ import dataclasses
 import sys
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
+from functrain import tree
 from functrain.distributed.env import is_distributed, rank, world_size
 
-__all__ = ["DataRanks", "check_same_batch", "data_ranks", "plain_outputs", "tp_mesh", "tp_size"]
+__all__ = [
+    "DataRanks",
+    "check_same_batch",
+    "counted_once",
+    "data_ranks",
+    "plain_outputs",
+    "tp_mesh",
+    "tp_size",
+    "whole_tensors",
+]
 
 _TP_MODULE = "functrain.distributed.tensor_parallel"  # DTensor's imports: only asked once it is loaded
 
@@ -107,6 +118,24 @@ def data_ranks(state: Any) -> DataRanks:
     return DataRanks(groups.index(leader), len(groups), mesh.get_local_rank(), size, mesh.get_group())
 
 
+def counted_once(metric: Any, state: Any, ranks: DataRanks) -> Any:
+    """A train metric ``state`` ready to be all-reduced over every rank so that each tp group counts once:
+    on a group's other ranks (which computed the same state) its ``"sum"`` leaves are zeroed; ``"max"`` and
+    ``"min"`` leaves are kept (the group's copies agree). Unchanged without tensor parallelism.
+
+    Example:
+        >>> from functrain import metrics
+        >>> acc = metrics.Accuracy()
+        >>> state = acc.empty()
+        >>> counted_once(acc, state, data_ranks(None)) is state  # no tp group: every rank counts
+        True
+    """
+    if ranks.counts or state is None:
+        return state
+    zeroed = lambda x, op: torch.zeros_like(x) if op == "sum" and isinstance(x, torch.Tensor) else x  # noqa: E731
+    return tree.map(zeroed, state, metric.reductions())
+
+
 def check_same_batch(batch: Any, ranks: DataRanks, step: int) -> None:
     """Raise when the ranks of this tp group were given different batches for training step ``step``
     (a digest of the batch's bytes, shapes and dtypes compared with one all-gather over the group; the
@@ -146,10 +175,19 @@ def plain_outputs(outputs: Any, ranks: DataRanks) -> Any:
         >>> plain_outputs({"loss": 1.0}, data_ranks(None))
         {'loss': 1.0}
     """
-    if ranks.tp_size == 1:
-        return outputs
+    return outputs if ranks.tp_size == 1 else whole_tensors(outputs)
+
+
+def whole_tensors(values: Any) -> Any:
+    """``values`` with every DTensor whole, as a plain tensor (a replicated one: no communication). Asks
+    nothing of DTensor unless the tensor-parallel module was loaded.
+
+    Example:
+        >>> whole_tensors({"loss": 1.0})
+        {'loss': 1.0}
+    """
+    if _TP_MODULE not in sys.modules:
+        return values
     from torch.distributed.tensor import DTensor
 
-    from functrain import tree
-
-    return tree.map(lambda x: x.full_tensor() if isinstance(x, DTensor) else x, outputs)
+    return tree.map(lambda x: x.full_tensor() if isinstance(x, DTensor) else x, values)

@@ -34,7 +34,7 @@ from functrain.callbacks.base import Callback, Context
 from functrain.checkpoint.onto import restore_onto
 from functrain.compile.tiers import TieredStep, TierPlan
 from functrain.data import DataPosition, Loader
-from functrain.distributed.data_ranks import DataRanks, check_same_batch, data_ranks
+from functrain.distributed.data_ranks import DataRanks, check_same_batch, counted_once, data_ranks
 from functrain.ensemble.stacked import run_step
 from functrain.logging import History
 from functrain.logging.writer import WriterBase, as_writer
@@ -361,7 +361,8 @@ class Run:
         scalars = self.window.flush()
         train_metrics = self.spec.metrics
         if train_metrics is not None and state.metrics is not None:
-            merged = distributed.all_reduce_metric_state(train_metrics, state.metrics)
+            once = counted_once(train_metrics, state.metrics, self.services.ranks)  # a tp group counts once
+            merged = distributed.all_reduce_metric_state(train_metrics, once)
             scalars.update(naming.flatten("train", train_metrics.compute(merged)))
         self.history.put_scalars(naming.expand(scalars), step)
         floats = self.history.at(step)  # ours and what callbacks put, with one sync for all

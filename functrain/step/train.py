@@ -23,6 +23,7 @@ from torch import nn
 
 from functrain import tree
 from functrain.core.masked_batch import unmask
+from functrain.distributed.data_ranks import whole_tensors
 from functrain.distributed.sharded_step import ShardedStep
 from functrain.distributed.strategy import DataParallel, Replicated
 from functrain.optim import all_finite, apply_gradients
@@ -267,7 +268,8 @@ def _train_step(
         params, opt_state = tree.keep_where(finite, (params, opt_state), (state.params, state.opt_state))
     metric_state = state.metrics
     if parts.metrics is not None and metric_state is not None:
-        inputs = metric_inputs(acc.preds, acc.targets, loss, batch, mask)
+        # a tensor-parallel step's logits and loss are replicated DTensors: the metric state stays plain
+        inputs = whole_tensors(metric_inputs(acc.preds, acc.targets, loss, batch, mask))
         metric_state = parts.metrics.update(metric_state, **inputs)
     out = {"loss": loss, "grad_norm": grad_norm, **extra}
     if loss_scale is not None:
