@@ -2,7 +2,7 @@
 
 One torchrun launch of ``tp_review_worker.py`` runs every check: gradient accumulation, a weight-decay
 mask, frozen params, EMA, remat, SAM, a head tied to a split or replicated embedding, a weight used twice
-(colwise and rowwise), a BatchNorm on a replicated input with an int buffer; per-example gradients and
+(colwise and rowwise), a BatchNorm on a replicated input with an int buffer, a padded batch; per-example gradients and
 DP-SGD are refused.
 """
 
@@ -17,7 +17,7 @@ TOL = 1e-10  # float64 after 3 AdamW steps: the split matmuls sum in another ord
 
 RIGHT = (
     "accumulate", "masked_decay", "freeze", "ema", "remat", "sam", "tied_head_colwise", "tied_embed_colwise",
-    "twice_no_norm", "norm_replicated_input", "weight_twice_rowwise",
+    "twice_no_norm", "norm_replicated_input", "weight_twice_rowwise", "padded",
 )  # fmt: skip
 
 

@@ -172,6 +172,14 @@ def run_all(mesh: Any) -> dict[str, Any]:
         "norm_replicated_input": lambda: versus_one_process(
             mesh, twice, {"fc": "colwise", "sq": "rowwise"}, lambda n: adamw(), regression(), mse
         ),
+        "padded": lambda: versus_one_process(  # 6 real rows of 8 (pad_train_batches' MaskedBatch)
+            mesh,
+            lambda: twice(False),
+            {"fc": "colwise", "sq": "rowwise"},
+            lambda n: adamw(),
+            [ft.data.pad_batch(tuple(t[:6] for t in b), 8) for b in regression()],
+            mse,
+        ),
         "weight_twice_rowwise": lambda: versus_one_process(
             mesh,
             lambda: twice(False),
