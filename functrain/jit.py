@@ -146,13 +146,17 @@ class CompiledStep:
             # The caller's own filter replaces jit's.
             guard_filter = config.pop("guard_filter_fn", skip_library_guards)
             backend = functools.partial(self._backend, config=config)
-            self._torch_compile = functools.partial(
-                torch.compile,
-                fullgraph=fullgraph,
-                dynamic=dynamic,
-                backend=backend,
-                options={"guard_filter_fn": guard_filter},
-            )
+
+            def torch_compile(target: Callable[..., Any]) -> Callable[..., Any]:
+                return torch.compile(  # a new options dict each time: torch.compile pops from it
+                    target,
+                    fullgraph=fullgraph,
+                    dynamic=dynamic,
+                    backend=backend,
+                    options={"guard_filter_fn": guard_filter},
+                )
+
+            self._torch_compile = torch_compile
         self._use_target(self._eager, enabled=compile and fullgraph)
 
     def _use_target(self, target: Callable[..., Any], *, enabled: bool) -> None:
@@ -169,7 +173,8 @@ class CompiledStep:
         """Before the first trace: keep layouts inside the graph only for a state with permuted ones."""
         self._layouts_in_graph = wrappers.has_permuted_layout(state)
         if not self._layouts_in_graph:
-            self._use_target(wrappers.with_own_code(self._pure), enabled=self._cache_hits.enabled)
+            target = wrappers.with_own_code(wrappers.passing_through(self._pure))
+            self._use_target(target, enabled=self._cache_hits.enabled)
 
     def _check_layouts(self, state: Any, out: Any) -> Any:
         """After a compile without the in-graph layout copy: if the graph's state came back in other strides

@@ -283,7 +283,7 @@ def _trainer(tmp_path, **fields):
 
 
 def test_the_trainer_gives_a_run_its_config_rebuilds_a_child_that_builds_the_same_steps(tmp_path):
-    from functrain.trainer.background import warmups
+    from functrain.trainer.from_config import warmups
 
     trainer = _trainer(tmp_path)
     step = trainer._jit("train")

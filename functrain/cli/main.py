@@ -62,34 +62,17 @@ def _build_trainer(config_path: str | None, overrides: Sequence[str], *, resume:
 
 
 def trainer_from_config(cfg: Any) -> Any:
-    """The Trainer a loaded config's import specs describe (model, datasets), seeded by ``cfg.seed``; a
-    background build rebuilds a run's steps with it (:mod:`functrain.trainer.background`)."""
-    from functrain.config import ConfigError, build_object
-    from functrain.trainer import Trainer
+    """:func:`functrain.trainer.from_config.trainer_from_config`, the user's exceptions (their model or
+    dataset code) raised as a :class:`BuildError` the CLI reports in one line naming their file."""
+    from functrain.config import ConfigError
+    from functrain.trainer.from_config import trainer_from_config as build_trainer
 
-    if cfg.model is None:
-        raise ConfigError.single("model", "the config names no model", "set model: package.module:ModelClass")
-
-    def build(spec: Any, path: str) -> Any:
-        return None if spec is None else build_object(spec, path=path)
-
-    import torch
-
-    torch.manual_seed(cfg.seed)
     try:
-        model = build(cfg.model, "model")
-        trainer = Trainer(
-            model,
-            cfg,
-            train_dataset=build(cfg.train_dataset, "train_dataset"),
-            eval_dataset=build(cfg.eval_dataset, "eval_dataset"),
-        )
-        trainer.test_dataset = build(cfg.test_dataset, "test_dataset")
+        return build_trainer(cfg)
     except ConfigError:
         raise
     except Exception as exc:  # the user's model or data code, or objects the Trainer cannot take
         raise BuildError(f"building the run's model and datasets raised {type(exc).__name__}: {exc}") from exc
-    return trainer
 
 
 # Written by `functrain train` into its run directory: where the config's import specs were imported from,

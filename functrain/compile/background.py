@@ -269,16 +269,20 @@ def _die_with_parent(parent: int) -> None:
 
 def _compile(warmups: Sequence[Warmup]) -> tuple[str, float]:
     """Run each warm-up step on its inductor tier (it compiles); the first one's key and the seconds."""
-    from functrain.compile.tiers import TierPlan
-
     started, key = time.perf_counter(), ""
     for i, w in enumerate(warmups):
         if i == 0:
             key = w.step.compile_key(w.state, w.args, {})
-        w.step.restore(TierPlan(decided_at=0, switch_at=0))
+        w.step.compile_from_start()
         w.step.at_step(0, 1)
         w.step(w.state, *w.args)
     return key, time.perf_counter() - started
+
+
+def _recipe(target: str) -> Any:
+    """The function a ``"package.module:function"`` recipe names."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def child_main(spec_path: str) -> int:
@@ -291,18 +295,17 @@ def child_main(spec_path: str) -> int:
         os.nice(19)  # only the cores nothing else wants
     sys.path[:] = list(spec["sys_path"])
     torch.set_num_threads(int(spec["threads"]))
-    from functrain.config import build_object
 
     started = time.perf_counter()
     for module in ("torch._inductor.compile_fx", "functrain.jit"):  # what the main process will import
         importlib.import_module(module)
     imports = time.perf_counter() - started
-    recipe = {"target": spec["recipe"], "kwargs": spec["kwargs"]}
-    key, cold = _compile(build_object(recipe, path="recipe"))
+    recipe = _recipe(spec["recipe"])
+    key, cold = _compile(recipe(**spec["kwargs"]))
     importlib.import_module(
         "torch._dynamo"
     ).reset()  # forget the graphs: the second compile reads the caches the first wrote
-    warm_key, warm = _compile(build_object(recipe, path="recipe"))
+    warm_key, warm = _compile(recipe(**spec["kwargs"]))
     if warm_key != key:
         raise RuntimeError(f"the recipe built two different steps ({key} then {warm_key})")
     from functrain.core.atomic import replace_text

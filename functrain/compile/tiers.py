@@ -274,6 +274,10 @@ class TieredStep:
         if self not in leader.followers:
             leader.followers.append(self)
 
+    def compile_from_start(self) -> None:
+        """Take the inductor tier from the first step on (a background build's warm-up compiles)."""
+        self.restore(TierPlan(decided_at=0, switch_at=0))
+
     def restore(self, plan: TierPlan) -> None:
         """Take a checkpoint's plan (a resume replays it)."""
         self.plan = plan

@@ -27,6 +27,7 @@ __all__ = [
     "donating",
     "has_permuted_layout",
     "keeping_layouts",
+    "passing_through",
     "restore_layouts",
     "settle_eagerly",
     "takes_donated",
@@ -126,6 +127,17 @@ def _replaces(new: Any, old: Any) -> bool:
         and old.dtype == new.dtype
         and old.device == new.device
     )
+
+
+def passing_through(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` behind a ``(state, *args, **kwargs)`` frame: the frames whose compiled graphs
+    :class:`functrain.compile.cache_hits.CacheHits` calls directly (as :func:`keeping_layouts`'s)."""
+
+    @functools.wraps(fn)
+    def step(state: Any, *args: Any, **kwargs: Any) -> Any:
+        return fn(state, *args, **kwargs)
+
+    return step
 
 
 def keeping_layouts(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -146,7 +146,7 @@ def check_same_batch(batch: Any, ranks: DataRanks, step: int) -> None:
     """
     if ranks.tp_group is None or ranks.tp_size == 1:
         return
-    from functrain.data.stream_state import fingerprint  # functrain.data imports this package
+    from functrain.core.fingerprint import fingerprint
 
     digests: list[Any] = [None] * ranks.tp_size
     dist.all_gather_object(digests, (rank(), fingerprint(batch)), group=ranks.tp_group)
