@@ -62,12 +62,13 @@ def tied() -> nn.Module:
 
 
 class Twice(nn.Module):
-    """An MLP whose ``sq`` is called twice, with an int buffer and a BatchNorm (on a replicated input)."""
+    """An MLP whose ``sq`` is called twice, with an int buffer and a BatchNorm (its input split where the plan
+    splits ``sq`` colwise)."""
 
-    def __init__(self, norm: bool = True) -> None:
+    def __init__(self, norm: bool = True, stats: bool = True) -> None:
         super().__init__()
         self.fc, self.sq, self.proj = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)
-        self.norm = nn.BatchNorm1d(8) if norm else nn.Identity()
+        self.norm = nn.BatchNorm1d(8, track_running_stats=stats) if norm else nn.Identity()
         self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -76,9 +77,9 @@ class Twice(nn.Module):
         return self.proj(self.norm(torch.tanh(h)))
 
 
-def twice(norm: bool = True) -> nn.Module:
+def twice(norm: bool = True, stats: bool = True) -> nn.Module:
     torch.manual_seed(0)
-    return Twice(norm).double()
+    return Twice(norm, stats).double()
 
 
 def mse(call: Any, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -129,6 +130,31 @@ def versus_one_process(
     return max([worst] + [max_diff(a, b) for a, b in parts if ft.tree.leaves(a)])
 
 
+def tied_placement(mesh: Any, plan: dict[str, str]) -> str:
+    """The placement of the tied embedding and head weight (one param, named ``embed.weight``)."""
+    return str(distributed.tensor_parallel(tied(), plan, mesh).placements["embed.weight"])
+
+
+def evaluated(mesh: Any) -> float:
+    """The hand-written (not jitted) eval and predict steps on a placed state against one process: the
+    largest difference of loss, num_examples and predictions, which must come back plain tensors."""
+    net, ref_net = gpt(), gpt()
+    tp = distributed.tensor_parallel(net, distributed.GPT_PLAN, mesh)
+    state = tp.place(ft.TrainState.create(net, adamw()))
+    ref = ft.TrainState.create(ref_net, adamw())
+    worst = 0.0
+    for batch in batches()[:2]:
+        out = ft.make_eval_step(net, lm_loss)(state, batch)
+        want = ft.make_eval_step(ref_net, lm_loss)(ref, batch)
+        preds = ft.make_predict_step(net)(state, batch)
+        assert all(type(x) is torch.Tensor for x in (out["loss"], preds)), (type(out["loss"]), type(preds))
+        worst = max(worst, max_diff(preds, ft.make_predict_step(ref_net)(ref, batch)))
+        worst = max(
+            worst, max_diff(out["loss"], want["loss"]), abs(out["num_examples"] - want["num_examples"])
+        )
+    return worst
+
+
 def run_all(mesh: Any) -> dict[str, Any]:
     plan = distributed.GPT_PLAN
     twice_plan = {"fc": "colwise", "sq": "colwise"}
@@ -172,6 +198,18 @@ def run_all(mesh: Any) -> dict[str, Any]:
         "norm_replicated_input": lambda: versus_one_process(
             mesh, twice, {"fc": "colwise", "sq": "rowwise"}, lambda n: adamw(), regression(), mse
         ),
+        "norm_split_input": lambda: versus_one_process(
+            mesh, twice, twice_plan, lambda n: adamw(), regression(), mse
+        ),
+        "norm_split_input_frozen": lambda: versus_one_process(
+            mesh, twice, twice_plan, lambda n: adamw(), regression(), mse, freeze_batchnorm=True
+        ),
+        "norm_split_input_no_stats": lambda: versus_one_process(
+            mesh, lambda: twice(stats=False), twice_plan, lambda n: adamw(), regression(), mse
+        ),
+        "tied_head_replicate": lambda: tied_placement(mesh, {**plan, "head": "replicate"}),
+        "tied_conflict": lambda: tied_placement(mesh, {**plan, "head": "colwise", "embed": "colwise"}),
+        "evaluate": lambda: evaluated(mesh),
         "padded": lambda: versus_one_process(  # 6 real rows of 8 (pad_train_batches' MaskedBatch)
             mesh,
             lambda: twice(False),

@@ -128,7 +128,10 @@ def _resolve(model: nn.Module, plan: Plan, size: int) -> dict[str, tuple[int | N
         if style not in STYLES:
             raise ValueError(f"tensor_parallel: plan[{pattern!r}] must be one of {STYLES}, got {style!r}")
     modules = dict(model.named_modules())
+    # a weight tied to another (GPT-2's lm_head.weight is wte.weight) is one param, under its first name
+    canonical = {id(p): name for name, p in model.named_parameters()}
     out: dict[str, tuple[int | None, str, str]] = {}
+    tied: list[tuple[str, str, int | None, str]] = []  # (a tied weight's other name, its name, dim, entry)
     for pattern, style in plan.items():
         matched = [name for name in modules if name and fnmatch.fnmatchcase(name, pattern)]
         if not matched:
@@ -145,20 +148,43 @@ def _resolve(model: nn.Module, plan: Plan, size: int) -> dict[str, tuple[int | N
                     f"{style}; name its linear submodules instead, or map it to 'replicate'"
                 )
             for attr, p in module.named_parameters(recurse=False):
-                name = f"{path}.{attr}"
+                alias, name = f"{path}.{attr}", canonical[id(p)]
+                dim = _split_dim(kind, style, attr, p)
+                if alias != name:
+                    tied.append((alias, name, dim, pattern))
+                    continue
                 if name in out and out[name][1] != style:
                     raise ValueError(
                         f"tensor_parallel: {name!r} is split {out[name][1]} by one plan entry and {style} by "
                         f"{pattern!r}; make the patterns disjoint"
                     )
-                dim = _split_dim(kind, style, attr, p)
                 if dim is not None and p.shape[dim] % size:
                     raise ValueError(
                         f"tensor_parallel: {name!r} has {p.shape[dim]} along dim {dim}, which {style} splits "
                         f"over {size} ranks: not a multiple; choose a mesh size that divides it"
                     )
                 out[name] = (dim, style, path)
+    _refuse_tied(tied, out)
     return out
+
+
+def _refuse_tied(tied: list[tuple[str, str, int | None, str]], out: Mapping[str, tuple[Any, ...]]) -> None:
+    """A plan entry reaching a tied weight by its other name (GPT-2's ``lm_head.weight``, which is
+    ``transformer.wte.weight``; ``named_parameters`` keeps the first name only) would be ignored in
+    silence: the weight is placed as the entry for its first name says (replicated if none)."""
+    for alias, name, dim, pattern in tied:
+        placed = out.get(name, (None,))[0]
+        if dim != placed:
+            raise ValueError(
+                f"tensor_parallel: plan entry {pattern!r} places {alias!r} {_placement_of(dim)}, but it is "
+                f"tied to {name!r} (one param, named {name!r}), placed {_placement_of(placed)}; split the "
+                f"tied weight by a plan entry for {name.rsplit('.', 1)[0]!r} (it places it for both layers), "
+                f"or map {pattern!r} to 'replicate'"
+            )
+
+
+def _placement_of(dim: int | None) -> str:
+    return "Replicate()" if dim is None else f"Shard({dim})"
 
 
 def _split_dim(kind: str | None, style: str, attr: str, p: torch.Tensor) -> int | None:
@@ -207,6 +233,9 @@ class TensorParallel(Replicated):
             shapes[name] = tuple(p.shape)
         self.shapes = shapes
         self.model = model
+        self._batchnorms = tuple(
+            (name, m) for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        )
         self.group = mesh.get_group()
         # ZeRO over dp: every leaf's optimizer state (and params at level "params") kept as row pieces
         self.zero = TPShards(sharding, mesh, self.placements, shapes) if sharding is not None else None
@@ -363,7 +392,27 @@ class TensorParallel(Replicated):
                 "eagerly (ft.jit(step, compile=False), Trainer compile: false), or compile tensor "
                 "parallelism without sharding="
             )
+        self._refuse_batch_statistics()
         return self.forward_params(state.params)
+
+    def _refuse_batch_statistics(self) -> None:
+        """A BatchNorm training with running statistics on an input the plan splits (after a colwise layer)
+        would keep its ``running_mean``/``running_var`` as they are in silence: DTensor redistributes the
+        plain buffers to new local tensors and updates those. Refused for every such BatchNorm (whether
+        its input is split is not known before the forward); checked once the step set the modes."""
+        found = [
+            f"{name} ({type(m).__name__})"
+            for name, m in self._batchnorms
+            if m.training and m.track_running_stats
+        ]
+        if found:
+            raise ValueError(
+                f"tensor parallelism: the model's BatchNorm {', '.join(found[:6])} trains with running "
+                "statistics: where the plan splits its input (after a colwise layer), DTensor updates copies "
+                "of running_mean and running_var, and the state's would stay as they are. Use LayerNorm, "
+                "BatchNorm(..., track_running_stats=False), or freeze the BatchNorm "
+                "(make_train_step(..., freeze_batchnorm=True), the Trainer's freeze.batchnorm: true)"
+            )
 
     def micro_grads(self, state: Any, grads: Any, examples: Examples | None) -> Any:
         """ZeRO-2/3: a micro-batch's gradients reduce-scattered over dp at once (``grad * examples``
@@ -506,7 +555,11 @@ def tensor_parallel(
     ``Conv1D`` (naming its path), a split dim the mesh size does not divide, and a model with dropout
     (``nn.Dropout`` modules of ``p > 0``, or a Hugging Face ``config.attention_dropout > 0``: the ranks
     would draw different masks for the activations they share). A ``F.dropout`` call of the model's own
-    is not seen: do not make one.
+    is not seen: do not make one. A plan entry reaching a tied weight by its other name (GPT-2's
+    ``lm_head``, tied to ``transformer.wte``) is refused unless it places the weight as the entry for its
+    first name does (name that layer instead). The step refuses a BatchNorm training with running
+    statistics (on an input the plan splits they would not be updated): use LayerNorm,
+    ``track_running_stats=False`` or ``make_train_step(..., freeze_batchnorm=True)``.
 
     Example:
         >>> tp = tensor_parallel(model, {"blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"})  # doctest: +SKIP

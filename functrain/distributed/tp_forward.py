@@ -35,7 +35,11 @@ def tensor_parallel_forward(model: Any) -> Iterator[None]:
     if not (isinstance(model, nn.Module) and model in _PLACED):
         yield
         return
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.experimental import implicit_replication
 
+    if DTensor._op_dispatcher._allow_implicit_replication:  # entered already: torch's switch, left, turns
+        yield  # it off, not back to what it was (a step entering it inside jit's would end jit's)
+        return
     with implicit_replication():
         yield

@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -17,6 +18,8 @@ import torch
 from torch import nn
 
 from functrain.core.masked_batch import unmask
+from functrain.distributed.data_ranks import whole_tensors
+from functrain.distributed.tp_forward import tensor_parallel_forward
 from functrain.precision import autocast_dtype
 from functrain.step.base import Step, check_state_matches, expected_names
 from functrain.step.batch import (
@@ -65,7 +68,7 @@ def make_eval_step(
         set_mode(False)
         batch, mask = unmask(batch)  # a padded batch (functrain.data.padding): its real rows count
         params = forward_params(state)
-        with torch.no_grad(), autocast(device_of(params), cast):
+        with torch.no_grad(), autocast(device_of(params), cast), _placed_forward(model):
             call = bind(params, state.buffers)
             loss, aux = loss_over_real_rows(loss_fn, call, batch, *mask_parts(batch, mask, 1)[0])
         loss = loss.float()
@@ -75,10 +78,12 @@ def make_eval_step(
         out.update({k: v.float() for k, v in dict(aux.get("metrics", {})).items()})
         if metrics is not None:
             empty = metrics.empty(device_of(state.params))
-            out["metrics"] = metrics.update(empty, **metric_inputs(preds, targets, loss, batch, mask))
+            # plain tensors: the metrics update outside the forward's implicit replication
+            inputs = whole_tensors(metric_inputs(preds, targets, loss, batch, mask))
+            out["metrics"] = metrics.update(empty, **inputs)
         if return_preds:
             out["preds"] = aux.get("preds")
-        return out
+        return whole_tensors(out)  # tensor parallelism: plain tensors, as one process gives
 
     return Step(eval_step, kind="eval", model=model, metrics=metrics, masked_batches=True)
 
@@ -121,7 +126,15 @@ def make_predict_step(
         set_mode(False)
         batch, _ = unmask(batch)  # a padded batch: the loop cuts the padded rows off the outputs
         params = forward_params(state)
-        with torch.no_grad(), autocast(device_of(params), cast):
-            return fwd(bind(params, state.buffers), batch)
+        with torch.no_grad(), autocast(device_of(params), cast), _placed_forward(model):
+            return whole_tensors(fwd(bind(params, state.buffers), batch))
 
     return Step(predict_step, kind="predict", model=model, masked_batches=True)
+
+
+def _placed_forward(model: nn.Module | ApplyFn) -> contextlib.AbstractContextManager[None]:
+    """A tensor-parallel model's forward outside ``functrain.jit`` (which enters it around the compiled
+    call, where dynamo cannot trace the switch): the batch met as replicated by the DTensor params."""
+    if torch.compiler.is_dynamo_compiling():
+        return contextlib.nullcontext()
+    return tensor_parallel_forward(model)
