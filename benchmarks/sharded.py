@@ -184,13 +184,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(config: str, args: argparse.Namespace, out: str) -> list[dict]:
-    threads = max(1, (os.cpu_count() or 2) // args.ranks)
+def launch_ranks(
+    script: str, config: str, ranks: int, out: str, extra: list[str], threads: int = 1
+) -> list[dict]:
+    """Run ``script --worker --config CONFIG --out OUT *extra`` on ``ranks`` torchrun ranks (``threads``
+    each); the JSON row each rank wrote to ``OUT/CONFIG_rankR.json`` (``[]`` if the launch failed)."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ranks}", f"--master_port={_free_port()}",
-        HERE, "--worker", "--config", config, "--out", out, "--threads", str(threads),
-        "--steps", str(args.steps), "--warmup", str(args.warmup), *(["--compile"] if args.compile else []),
-        *(["--donate"] if args.donate else []),
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={_free_port()}",
+        script, "--worker", "--config", config, "--out", out, *extra,
     ]  # fmt: skip
     # large blocks mmapped and unmapped when freed (a fixed glibc threshold: no growing free-list cache),
     # so the resident memory follows the live tensors and its peak is the step's
@@ -201,10 +202,19 @@ def _launch(config: str, args: argparse.Namespace, out: str) -> list[dict]:
         print(f"{config} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
         return []
     rows = []
-    for r in range(args.ranks):
+    for r in range(ranks):
         with open(os.path.join(out, f"{config}_rank{r}.json")) as f:
             rows.append(json.load(f))
     return rows
+
+
+def _launch(config: str, args: argparse.Namespace, out: str) -> list[dict]:
+    threads = max(1, (os.cpu_count() or 2) // args.ranks)
+    extra = [
+        "--threads", str(threads), "--steps", str(args.steps), "--warmup", str(args.warmup),
+        *(["--compile"] if args.compile else []), *(["--donate"] if args.donate else []),
+    ]  # fmt: skip
+    return launch_ranks(HERE, config, args.ranks, out, extra, threads)
 
 
 def main() -> None:

@@ -23,14 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 
 import torch
 import torch.nn.functional as F
-from sharded import _free_port, _local_bytes, _now_mb, _peak_mb, _reset_peak
+from sharded import _local_bytes, _now_mb, _peak_mb, _reset_peak, launch_ranks
 from torch import nn
 
 HERE = os.path.abspath(__file__)
@@ -175,23 +173,8 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def _launch(config: str, args: argparse.Namespace, out: str) -> list[dict]:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ranks}",
-        f"--master_port={_free_port()}", HERE, "--worker", "--config", config, "--out", out,
-        "--tp", str(args.tp), "--steps", str(args.steps), "--warmup", str(args.warmup),
-    ]  # fmt: skip
-    # large blocks mmapped and unmapped when freed, so the resident memory follows the live tensors
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(HERE)), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        print(f"{config} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
-        return []
-    rows = []
-    for r in range(args.ranks):
-        with open(os.path.join(out, f"{config}_rank{r}.json")) as f:
-            rows.append(json.load(f))
-    return rows
+    extra = ["--tp", str(args.tp), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    return launch_ranks(HERE, config, args.ranks, out, extra)
 
 
 def main() -> None:
