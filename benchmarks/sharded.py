@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -153,17 +154,7 @@ def worker(args: argparse.Namespace) -> None:
                 return _local_bytes(ft.tree.leaves((box[0].params, box[0].opt_state)))
 
             del model  # functrain keeps the weights in the state only
-        for _ in range(args.warmup):
-            float(run())
-        distributed.barrier()
-        before = _now_mb()
-        _reset_peak()
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            loss = run()
-        float(loss)
-        seconds = time.perf_counter() - start
-        peak = _peak_mb(before)
+        seconds, peak = timed_steps(run, args.warmup, args.steps, distributed.barrier)
         row = {
             "config": args.config,
             "rank": env.rank,
@@ -182,6 +173,24 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def timed_steps(
+    run: Callable[[], torch.Tensor], warmup: int, steps: int, barrier: Callable[[], object]
+) -> tuple[float, float]:
+    """``(seconds, peak MB)`` of ``steps`` calls of ``run`` (each returning the loss) after ``warmup``
+    calls and a ``barrier``: the host waits for the last loss; the peak is the resident memory's above
+    what was live before the timed steps."""
+    for _ in range(warmup):
+        float(run())
+    barrier()
+    before = _now_mb()
+    _reset_peak()
+    start = time.perf_counter()
+    for _ in range(steps):
+        loss = run()
+    float(loss)
+    return time.perf_counter() - start, _peak_mb(before)
 
 
 def launch_ranks(

@@ -24,11 +24,10 @@ import argparse
 import json
 import os
 import tempfile
-import time
 
 import torch
 import torch.nn.functional as F
-from sharded import _local_bytes, _now_mb, _peak_mb, _reset_peak, launch_ranks
+from sharded import _local_bytes, launch_ranks, timed_steps
 from torch import nn
 
 HERE = os.path.abspath(__file__)
@@ -150,20 +149,11 @@ def worker(args: argparse.Namespace) -> None:
             return _local_bytes([x for x in leaves if isinstance(x, torch.Tensor) and x.ndim > 0])
 
         del model  # functrain keeps the weights in the state only
-    for _ in range(args.warmup):
-        float(run())
-    dist.barrier()
-    before = _now_mb()
-    _reset_peak()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        loss = run()
-    float(loss)
-    seconds = time.perf_counter() - start
+    seconds, peak = timed_steps(run, args.warmup, args.steps, dist.barrier)
     row = {
         "state_mb": held() / 2**20,
         "of_whole": held() / whole,
-        "step_peak_mb": _peak_mb(before),
+        "step_peak_mb": peak,
         "samples_per_s": args.steps * BATCH * mesh["dp"].size() / seconds,
     }
     with open(os.path.join(args.out, f"{args.config}_rank{rank}.json"), "w") as f:
