@@ -2,11 +2,16 @@
 
 A small character-level GPT learns to continue this repository's README. Each rank keeps its half of the
 q, k, v and MLP ``fc`` weights (colwise) and of the output projections (rowwise); embeddings, norms and the
-head are replicated. Every rank takes the *same* batch: the ranks split one layer's matmuls, not the data.
-On CPU the ranks talk over gloo, on GPUs over NCCL:
+head are replicated. Every rank of a tp group takes the *same* batch: the ranks split one layer's matmuls,
+not the data. More ranks than ``--tp`` (2) form a ``(dp, tp)`` mesh: each tp group reads its own slice of
+the global batch, and ``--sharding`` adds ZeRO over the dp axis (``fully_shard(mesh["dp"], level=...)``:
+``optimizer`` keeps 1/world of the AdamW moments per rank, ``params`` the params too). On CPU the ranks
+talk over gloo, on GPUs over NCCL:
 
     torchrun --nproc_per_node=2 examples/08_tensor_parallel.py
     torchrun --nproc_per_node=2 examples/08_tensor_parallel.py --compile    # one compiled graph per step
+    torchrun --nproc_per_node=4 examples/08_tensor_parallel.py              # dp 2 x tp 2
+    torchrun --nproc_per_node=4 examples/08_tensor_parallel.py --sharding params   # and ZeRO-3 over dp
     python examples/08_tensor_parallel.py                                   # one rank: nothing split
 
 What changes against a one-process script is three lines: ``tensor_parallel(model, plan, mesh)`` (the
@@ -18,10 +23,13 @@ another number of ranks).
 
 Prints (rank 0 speaks for all): what it trains, the loss every 25 steps, each rank's share of the params
 and optimizer state, and the gathered model's loss in a plain nn.Module, which equals the TP model's.
-Expected with the defaults (150 steps; torch 2.13 on a CPU): the loss falls from 4.4 to about 2.5, the
-same on 1 and 2 ranks to float32 rounding; each of 2 ranks holds 0.55 of the replicated bytes. About 20 s
-on 2 CPU cores eager, plus about 2 minutes compiling with --compile. Writes ``--out`` (default
-runs/08_tensor_parallel/final.ckpt).
+Expected with the defaults (150 steps; torch 2.13 on a CPU): the loss falls from 4.7 to about 2.65, the
+same on 1, 2 and 4 ranks, with or without ``--sharding``, to float32 rounding (the gathered model's: 2.654
+on each); each of 2 ranks holds 0.57 of the replicated bytes, each of 4 ranks (dp 2 x tp 2) 0.57, 0.36
+with ``--sharding optimizer`` and 0.25 with ``--sharding params``. About 20 s on 2 quiet CPU cores eager
+(4 ranks: about twice that), plus about 2 minutes compiling with --compile (compiled ZeRO over dp: refused
+by the step for now, run it eagerly).
+Writes ``--out`` (default runs/08_tensor_parallel/final.ckpt).
 """
 
 from __future__ import annotations
@@ -106,10 +114,11 @@ def corpus() -> tuple[torch.Tensor, int]:
     return torch.tensor([chars.index(c) for c in text]), len(chars)
 
 
-def batch_at(data: torch.Tensor, step: int, rows: int = 16) -> torch.Tensor:
-    """The step's batch, from the step number alone: the same on every rank."""
+def batch_at(data: torch.Tensor, step: int, rows: int = 16, dp: tuple[int, int] = (0, 1)) -> torch.Tensor:
+    """The step's global batch, from the step number alone, and of it the slice of dp group ``dp[0]`` of
+    ``dp[1]``: the same on every rank of a tp group."""
     starts = torch.randint(0, len(data) - SEQ - 1, (rows,), generator=torch.Generator().manual_seed(step))
-    return torch.stack([data[s : s + SEQ + 1] for s in starts.tolist()])
+    return torch.stack([data[s : s + SEQ + 1] for s in starts.tolist()]).chunk(dp[1])[dp[0]]
 
 
 def say(*values: object) -> None:
@@ -134,26 +143,42 @@ def main() -> None:
     # FUNCTRAIN_SMALL=1 (the example tests): a few steps
     parser.add_argument("--steps", type=int, default=20 if os.environ.get("FUNCTRAIN_SMALL") == "1" else 150)
     parser.add_argument("--compile", action="store_true", help="compile the step (one graph)")
+    parser.add_argument("--tp", type=int, default=2, help="ranks per tp group (at most the world size)")
+    parser.add_argument(
+        "--sharding", choices=["none", "optimizer", "grads", "params"], default="none",
+        help="ZeRO over the dp axis of the (dp, tp) mesh",
+    )  # fmt: skip
     parser.add_argument("--out", default="runs/08_tensor_parallel/final.ckpt")
     args = parser.parse_args()
     one_process_group()
     with distributed.initialize() as env:
         data, vocab = corpus()
         world = distributed.world_size()
+        tp_size = min(args.tp, world)
+        dp_size = world // tp_size
+        if dp_size * tp_size != world:
+            sys.exit(f"--tp {tp_size} must divide the {world} ranks")
         say(
-            f"08: a character GPT on the README, {args.steps} steps, heads split over {world} rank(s), "
-            f"{'compiled' if args.compile else 'eager'}"
+            f"08: a character GPT on the README, {args.steps} steps, heads split over {tp_size} rank(s), "
+            f"dp {dp_size}, sharding {args.sharding}, {'compiled' if args.compile else 'eager'}"
         )
         torch.manual_seed(0)  # the same initial model on every rank (place() keeps rank 0's anyway)
         model = GPT(vocab)
-        mesh = init_device_mesh(env.device.type, (world,))
-        tp = distributed.tensor_parallel(model, distributed.GPT_PLAN, mesh)
+        sharding, dp = None, (0, 1)
+        if dp_size == 1 and args.sharding == "none":  # one tp group: a 1-D mesh
+            mesh = init_device_mesh(env.device.type, (world,))
+        else:  # (dp, tp): each tp group its slice of the batch; ZeRO shards over the dp axis
+            mesh = init_device_mesh(env.device.type, (dp_size, tp_size), mesh_dim_names=("dp", "tp"))
+            dp = (mesh["dp"].get_local_rank(), dp_size)
+            if args.sharding != "none":
+                sharding = distributed.fully_shard(mesh["dp"], level=args.sharding)
+        tp = distributed.tensor_parallel(model, distributed.GPT_PLAN, mesh, sharding=sharding)
         tx = ft.optim.chain(ft.optim.clip_by_global_norm(1.0), ft.optim.adamw(3e-3, weight_decay=0.01))
         state = tp.place(ft.TrainState.create(model, tx, device=env.device))
         step = ft.jit(ft.make_train_step(model, lm_loss, strategy=tp), compile=args.compile)
 
         for i in range(args.steps):
-            state, metrics = step(state, batch_at(data, i).to(env.device))
+            state, metrics = step(state, batch_at(data, i, dp=dp).to(env.device))  # loss: the global batch's
             if i % 25 == 0 or i == args.steps - 1:
                 say(
                     f"step {i:4d}: loss {float(metrics['loss']):.3f}, grad norm {float(metrics['grad_norm']):.2f}"

@@ -48,7 +48,7 @@ def test_tensor_parallel_fields_from_yaml_overrides_and_help() -> None:
 @pytest.mark.parametrize(
     ("fields", "named"),
     [
-        ({"sharding": "params"}, "sharding"),
+        ({"sharding": "params", "sharding_blocks": ["Block"]}, "sharding_blocks"),
         ({"sweep": {"seed": [0, 1]}}, "sweep"),
         ({"mixed_precision": "fp16", "device": "cuda"}, "mixed_precision"),
         ({"dp_l2_norm_clip": 1.0, "dp_noise_multiplier": 1.0}, "dp_l2_norm_clip"),
@@ -63,6 +63,25 @@ def test_what_tensor_parallelism_cannot_do_is_refused_by_the_config(fields: dict
     problems = [p for p in caught.value.problems if "tensor_parallel" in p.message]
     assert [p.path for p in problems] == [named], caught.value
     assert "tensor_parallel=1" in problems[0].fix
+
+
+@pytest.mark.parametrize("level", ["optimizer", "grads", "params"])
+def test_sharding_over_the_dp_axis_is_accepted_beside_tensor_parallel(tmp_path: Path, level: str) -> None:
+    config = ft.TrainerConfig.from_yaml(f"max_steps: 1\ntensor_parallel: 2\nsharding: {level}\n")
+    assert (config.tensor_parallel, config.sharding) == (2, level)
+    assert ft.TrainerConfig.from_yaml(config.to_yaml()) == config
+    assert config.with_overrides(["sharding=full"]).sharding == "params"
+    # the strategy carries ZeRO's request (over the mesh's dp axis); checkpoints are whole, not per rank
+    assert build.sharding(config) is None
+    assert type(build.manager(config.replace(output_dir=str(tmp_path)))) is ft.checkpoint.CheckpointManager
+
+
+def test_sharding_blocks_with_tensor_parallel_is_refused_saying_why() -> None:
+    with pytest.raises(ft.ConfigError) as caught:
+        ft.TrainerConfig(max_steps=1, tensor_parallel=2, sharding="params", sharding_blocks="auto")
+    (problem,) = caught.value.problems
+    assert problem.path == "sharding_blocks" and "setup_context" in problem.message
+    assert "remove sharding_blocks" in problem.fix
 
 
 @pytest.mark.parametrize(
@@ -155,6 +174,25 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> ft.Trainer:
     return trainer
 
 
+@pytest.fixture(scope="module")
+def applied_reference(tmp_path_factory: pytest.TempPathFactory) -> ft.TrainState:
+    """``apply_gradients`` twice, in one process, on the run's first state (``tp_trainer_worker._applied``)."""
+    t = ft.Trainer(fixtures.gpt(), fixtures.config(tmp_path_factory.mktemp("applied")), fixtures.tokens(48))
+    shapes = {k: tuple(p.shape) for k, p in t.state.params.items()}
+    return t.state.apply_gradients(fixtures.gradients(shapes, 0)).apply_gradients(
+        fixtures.gradients(shapes, 1)
+    )
+
+
+def _assert_close_to(out: dict, ref: ft.TrainState, atol: float) -> None:
+    """``out``'s gathered params and optimizer state against ``ref``'s (one process)."""
+    for k, p in ref.params.items():
+        torch.testing.assert_close(out["params"][k], p, rtol=0, atol=atol)
+    for a, b in zip(out["opt_state"], ft.tree.leaves(ref.opt_state), strict=True):
+        if isinstance(a, torch.Tensor):
+            torch.testing.assert_close(a, b, rtol=0, atol=atol)
+
+
 @pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "dp2xtp2"])
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = str(tmp_path_factory.mktemp(f"tp_trainer{request.param}"))
@@ -220,7 +258,10 @@ def test_each_rank_holds_its_half_of_the_split_layers(runs: list[dict]) -> None:
 
 @pytest.mark.slow
 def test_prediction_covers_each_dp_slice_once(runs: list[dict], reference: ft.Trainer) -> None:
-    expected = reference.predict(fixtures.tokens(6, seed=2))
+    _assert_predicts_each_dp_slice_once(runs, reference.predict(fixtures.tokens(6, seed=2)))
+
+
+def _assert_predicts_each_dp_slice_once(runs: list[dict], expected: torch.Tensor) -> None:
     tp = 2
     leaders = [out["predict"] for out in runs[::tp]]  # one per tp group: its dp slice
     for out in runs:
@@ -245,12 +286,113 @@ def test_ranks_of_a_tp_group_given_other_batches_are_refused_naming_them(runs: l
 
 
 @pytest.mark.slow
+def test_apply_gradients_on_a_tensor_parallel_state_equals_one_process(
+    runs: list[dict], applied_reference: ft.TrainState
+) -> None:
+    for out in runs:  # whole plain gradients, then replicated DTensors; clipping over the mesh acts
+        assert out["applied"]["step"] == 2
+        _assert_close_to(out["applied"], applied_reference, 1e-12)
+
+
+# ---------------------------------------------------------------- ZeRO over dp (sharding:) beside tp
+
+
+@pytest.fixture(scope="module")
+def zero_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """4 ranks, dp 2 x tp 2, ``sharding: optimizer`` then ``params`` (one launch for both)."""
+    return _torchrun(
+        "zero", str(tmp_path_factory.mktemp("tp_zero_trainer")), 4, script="tp_trainer_worker.py"
+    )
+
+
+LEVELS = ("optimizer", "params")  # ZeRO-1, ZeRO-3
+
+
+@pytest.mark.slow
+def test_the_trainer_with_tensor_parallel_and_zero_equals_one_process(
+    zero_runs: list[dict], reference: ft.Trainer
+) -> None:
+    expected = reference.evaluate()
+    for out in zero_runs:
+        for level in LEVELS:
+            run = out[level]
+            assert run["step"] == int(reference.state.step) == 12
+            _assert_close_to(run, reference.state, F64)
+            assert run["eval"] == pytest.approx(expected, abs=F32), level  # counted once per tp group
+            # a sum-type train metric: 2 steps per log of 4 examples per dp group, each tp group once
+            assert [value for _, value in run["train_seen"]] == [2.0 * 4 * 2] * 2, run["train_seen"]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_and_zero_stopped_and_resumed_is_the_uninterrupted_run(zero_runs: list[dict]) -> None:
+    for out in zero_runs:
+        for level in LEVELS:
+            run, resumed = out[level], out[level]["resumed"]
+            assert resumed["step"] == run["step"] == 12, (level, resumed)
+            torch.testing.assert_close(resumed["params"], run["params"], rtol=0, atol=0)  # bitwise
+            for a, b in zip(resumed["opt_state"], run["opt_state"], strict=True):
+                if isinstance(a, torch.Tensor):
+                    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_zero3_checkpoint_resumes_in_one_process(
+    zero_runs: list[dict], tmp_path: Path
+) -> None:
+    run = zero_runs[0]["params"]
+    t = ft.Trainer(
+        fixtures.gpt(seed=3), fixtures.config(tmp_path / "one", resume_from_checkpoint=run["resumed"]["checkpoints"][6]),
+        fixtures.tokens(48), fixtures.tokens(20, seed=1),
+    )  # fmt: skip
+    t.train()
+    assert int(t.state.step) == 12
+    for k, p in t.state.params.items():
+        torch.testing.assert_close(p, run["params"][k], rtol=0, atol=F64)
+
+
+@pytest.mark.slow
+def test_each_rank_keeps_a_quarter_of_the_state_at_zero3(zero_runs: list[dict]) -> None:
+    for out in zero_runs:  # params + optimizer state at rest, against the whole (one process's)
+        assert out["params"]["at_rest"] <= 1.1 / 4, out["params"]["at_rest"]
+        assert out["optimizer"]["at_rest"] > out["params"]["at_rest"]  # ZeRO-1 keeps the params' tp parts
+
+
+@pytest.mark.slow
+def test_tensor_parallel_zero_predicts_and_applies_gradients_as_one_process(
+    zero_runs: list[dict], reference: ft.Trainer, applied_reference: ft.TrainState
+) -> None:
+    expected = reference.predict(fixtures.tokens(6, seed=2))
+    for level in LEVELS:
+        _assert_predicts_each_dp_slice_once(
+            [out[level] | {"rank": out["rank"]} for out in zero_runs], expected
+        )
+        for out in zero_runs:
+            assert out[level]["applied"]["step"] == 2
+            _assert_close_to(out[level]["applied"], applied_reference, 1e-12)
+
+
+@pytest.mark.slow
+def test_weights_from_a_file_onto_a_tensor_parallel_state(runs: list[dict], zero_runs: list[dict]) -> None:
+    weights = fixtures.gpt(seed=11).state_dict()  # the file's; each rank's model started from its own seed
+    loaded = [out["initialized"] for out in runs] + [
+        out[level]["initialized"] for out in zero_runs for level in LEVELS
+    ]
+    for initialized in loaded:  # init_weights_from, and load_best_model_at_end's restore of the best
+        assert initialized["best_placed"]  # still DTensors: the state stays placed by its strategy
+        for got in (initialized["init_weights_from"], initialized["best"]):
+            assert got.keys() == weights.keys()
+            for k, w in weights.items():
+                torch.testing.assert_close(got[k], w, rtol=0, atol=0)
+
+
+@pytest.mark.slow
 def test_torchrun_functrain_train_yaml_with_tensor_parallel(tmp_path: Path, capsys, monkeypatch) -> None:
-    path = _write_yaml(tmp_path, tensor_parallel=2)
+    # 2 ranks: tp 2 with ZeRO-3 over a dp axis of one (the 4-rank Trainer runs above shard over dp 2)
+    path = _write_yaml(tmp_path, tensor_parallel=2, sharding="params")
     proc = _torchrun_cli(tmp_path, str(path))
     (summary,) = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     saved = ft.TrainerConfig.from_yaml(tmp_path / "cli_run" / "config.yaml")
-    assert saved.tensor_parallel == 2
+    assert saved.tensor_parallel == 2 and saved.sharding == "params"
     # the same YAML in one process: the same steps and the same test metrics (float32)
     monkeypatch.syspath_prepend(str(HERE))
     capsys.readouterr()

@@ -48,3 +48,10 @@ def config(output_dir: str, **fields: Any) -> ft.TrainerConfig:
         metrics=["accuracy"], save_strategy="no", progress_bar=False, print_summary=False,
     )  # fmt: skip
     return ft.TrainerConfig(**{**base, **fields})
+
+
+def gradients(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:
+    """Whole float64 gradients of the params' ``shapes``, the same in every process (norm > 0.5:
+    ``config``'s clipping acts)."""
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(shape, generator=g, dtype=torch.float64) for k, shape in sorted(shapes.items())}

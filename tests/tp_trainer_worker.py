@@ -4,8 +4,10 @@
 
 ``trainer``: the Trainer with ``tensor_parallel: 2`` on every rank (2 ranks: tp 2; 4 ranks: dp 2 x tp 2,
 batch_size 4 per dp group, the reference's 8 in all), float64, eager: its final state gathered, evaluation,
-prediction, each rank's param shapes, ``Trainer.save``/``load``; then ``fit`` given a DataLoader whose
-batches differ by rank (refused by the batch check). Each rank writes ``OUT_DIR/trainer_rank<r>.pt`` (a
+prediction, each rank's param shapes, ``Trainer.save``/``load``, ``apply_gradients``, ``init_weights_from``
+and the best checkpoint's weights loaded; then ``fit`` given a DataLoader whose
+batches differ by rank (refused by the batch check). ``zero`` (4 ranks): the same with ``sharding:
+optimizer`` and ``params`` (ZeRO over dp), and its stop and resume. Each rank writes ``OUT_DIR/trainer_rank<r>.pt`` (a
 test artefact read back by the test, not a checkpoint).
 """
 
@@ -23,7 +25,7 @@ from torchrun_exit import exit_skipping_teardown
 
 import functrain as ft
 from functrain import distributed
-from functrain.trainer.core import _losses
+from functrain.trainer.core import _losses, _with_best
 
 
 def trainer(out: dict[str, Any], out_dir: str) -> None:
@@ -50,10 +52,82 @@ def trainer(out: dict[str, Any], out_dir: str) -> None:
     )
     loaded = fresh.load(path)
     out["loaded"] = fresh.tensor_parallel.gather(loaded).params
+    out["applied"] = _applied(config)
+    out["initialized"] = _initialized(config, out_dir, t)
     out["resumed"] = _resumed(config, out_dir)
     out["train_seen"] = _train_seen(t)
     out["mismatched"] = _mismatched_batches(t)
     out["second_batch"] = {when: _second_batch_differs(t, when) for when in ("first", "every")}
+
+
+def zero(out: dict[str, Any], out_dir: str) -> None:
+    """On 4 ranks: the Trainer with ``tensor_parallel: 2`` and ``sharding: optimizer`` / ``params`` (ZeRO-1
+    and ZeRO-3 over dp 2), as :func:`trainer` runs it, and its bytes at rest, ``apply_gradients`` and
+    ``init_weights_from`` on that state."""
+    for level in ("optimizer", "params"):
+        out[level] = _zero_level(level, os.path.join(out_dir, level))
+
+
+def _zero_level(level: str, out_dir: str) -> dict[str, Any]:
+    config = fixtures.config(os.path.join(out_dir, "run"), tensor_parallel=2, sharding=level, batch_size=4)
+    t = ft.Trainer(
+        fixtures.gpt(seed=dist.get_rank()), config, fixtures.tokens(48), fixtures.tokens(20, seed=1)
+    )
+    t.train()
+    whole = t.tensor_parallel.gather(t.state)
+    local = _bytes(t.state.params, t.state.opt_state)
+    return {
+        "params": whole.params,
+        "opt_state": ft.tree.leaves(whole.opt_state),
+        "step": int(t.state.step),
+        "eval": t.evaluate(),
+        "predict": t.predict(fixtures.tokens(6, seed=2)),
+        "at_rest": local / _bytes(whole.params, whole.opt_state),
+        "train_seen": _train_seen(t),
+        "resumed": _resumed(config, out_dir),
+        "applied": _applied(config),
+        "initialized": _initialized(config, out_dir, t),
+    }
+
+
+def _bytes(*trees: Any) -> int:
+    """The bytes this rank holds of ``trees``' tensors (a DTensor: its local part)."""
+    xs = [x.to_local() if isinstance(x, DTensor) else x for x in ft.tree.leaves(trees)]
+    return sum(x.numel() * x.element_size() for x in xs if isinstance(x, torch.Tensor))
+
+
+def _applied(config: ft.TrainerConfig) -> dict[str, Any]:
+    """``TrainState.apply_gradients`` twice on the run's first state: whole plain gradients (the same on
+    every rank), then the same as replicated DTensors of the tp mesh (:func:`fixtures.gradients`)."""
+    t = ft.Trainer(fixtures.gpt(), config, fixtures.tokens(48))
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    shapes = t.tensor_parallel.shapes  # the params' whole shapes (ZeRO-3 keeps row pieces)
+    first, second = fixtures.gradients(shapes, 0), fixtures.gradients(shapes, 1)
+    mesh = t.tensor_parallel.mesh
+    second = {k: distribute_tensor(g, mesh, [Replicate()], src_data_rank=None) for k, g in second.items()}
+    state = t.state.apply_gradients(first).apply_gradients(second)
+    whole = t.tensor_parallel.gather(state)
+    return {"params": whole.params, "opt_state": ft.tree.leaves(whole.opt_state), "step": int(state.step)}
+
+
+def _initialized(config: ft.TrainerConfig, out_dir: str, trained: ft.Trainer) -> dict[str, Any]:
+    """``fixtures.gpt(seed=11)``'s weights, from a file: the first state of a run with
+    ``init_weights_from``, and ``trained``'s state given them as ``load_best_model_at_end`` gives the best
+    checkpoint's (gathered; whether its params stayed DTensors)."""
+    path = os.path.join(out_dir, "init.ckpt")
+    if dist.get_rank() == 0:
+        ft.checkpoint.save(path, ft.TrainState.create(fixtures.gpt(seed=11), ft.optim.sgd(0.1)))
+    dist.barrier()
+    t = ft.Trainer(
+        fixtures.gpt(seed=dist.get_rank()), config.replace(init_weights_from=path), fixtures.tokens(48)
+    )
+    best = _with_best(config, trained.state, ft.checkpoint.restore(path))
+    return {
+        "init_weights_from": t.tensor_parallel.gather(t.state).params,
+        "best": trained.tensor_parallel.gather(best).params,
+        "best_placed": all(isinstance(v, DTensor) for v in best.params.values()),
+    }
 
 
 def _resumed(config: ft.TrainerConfig, out_dir: str) -> dict[str, Any]:
@@ -130,7 +204,7 @@ def main(mode: str, out_dir: str) -> None:
 
     with distributed.initialize(timeout=datetime.timedelta(seconds=120)) as env:
         out: dict[str, Any] = {"rank": env.rank, "world_size": env.world_size}
-        {"trainer": trainer}[mode](out, out_dir)
+        {"trainer": trainer, "zero": zero}[mode](out, out_dir)
         torch.save(out, os.path.join(out_dir, f"{mode}_rank{env.rank}.pt"))
         distributed.barrier()
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from functrain import tree
-from functrain.checkpoint.placed import place_restored
+from functrain.checkpoint.placed import place_restored, whole_targets
 from functrain.checkpoint.shard_shapes import WHOLE_SHAPE, sharded_leaves
 from functrain.core.tree_walk import Path, children, leaves_with_paths, rebuild_node
 
@@ -39,6 +39,7 @@ def restore_onto(target: Any, raw: Any, where: str = "state") -> Any:
     """
     problems: list[str] = []
     shapes: dict[Path, tuple[int, ...]] | None = None
+    target = whole_targets(target)  # a tensor-parallel state's leaves as the whole tensors a file holds
 
     def whole_shapes(path: Path) -> tuple[int, ...] | None:
         nonlocal shapes

@@ -31,7 +31,14 @@ from functrain import tree
 from functrain.core.tree_walk import Path, children, rebuild_node
 from functrain.distributed.layout import TENSOR_PARALLEL, tensor_parallel_layout
 
-__all__ = ["describe_saved_layout", "gather_placed", "place_restored", "placed_states", "strategy_of"]
+__all__ = [
+    "describe_saved_layout",
+    "gather_placed",
+    "place_restored",
+    "placed_states",
+    "strategy_of",
+    "whole_targets",
+]
 
 
 def _strategy_type() -> type | None:
@@ -106,6 +113,18 @@ def gather_placed(obj: Any) -> tuple[Any, dict[str, Any]]:
 
     whole = _map_placed(obj, gather)
     return whole, ({TENSOR_PARALLEL: layouts} if layouts else {})
+
+
+def whole_targets(target: Any) -> Any:
+    """``target`` with every tensor-parallel state gathered whole but keeping its ``layout``: what a
+    restore checks a checkpoint's whole tensors against (a ZeRO state keeps row pieces, of other shapes)
+    before :func:`place_restored` places them. Collective.
+
+    Example:
+        >>> whole_targets({"w": 1})  # no tensor-parallel state inside: unchanged
+        {'w': 1}
+    """
+    return _map_placed(target, lambda _, state: state.layout.gather(state).replace(layout=state.layout))
 
 
 def place_restored(restored: Any) -> Any:

@@ -434,7 +434,8 @@ class TrainerConfig(ConfigSection):
         "parallel); 'optimizer' shards the optimizer state (ZeRO-1), 'grads' the gradients too (ZeRO-2), "
         "'params' the params too (ZeRO-3). Aliases: FSDP's full_shard/full = params, shard_grad_op/grad_op "
         "= grads, no_shard = none; DeepSpeed's stages 0-3. Checkpoints are then one file per rank (any "
-        "world size resumes them). Not with sweep or fp16.",
+        "world size resumes them). With tensor_parallel: over the mesh's dp axis (each rank keeps "
+        "1/world_size of what it shards), checkpoints saved whole. Not with sweep or fp16.",
         normalize=_sharding_level,
     )
     sharding_blocks: list[str] | None = option(
@@ -452,8 +453,8 @@ class TrainerConfig(ConfigSection):
         "(dp, tp) mesh of world_size/N x N, each dp group reading its own slice of the data and its N ranks "
         "the same batch. The plan: tensor_parallel_plan, else the first of functrain.distributed's GPT_PLAN "
         "(nanoGPT-style attn.q/k/v/proj, mlp.fc/proj), GPT2_PLAN (Hugging Face GPT-2), LLAMA_PLAN (Hugging Face "
-        "Llama) whose every entry names layers of the model. 1: off. Not with sharding, sweep, fp16, DP-SGD "
-        "or SAM yet.",
+        "Llama) whose every entry names layers of the model. With sharding: ZeRO over the dp axis (not "
+        "sharding_blocks). 1: off. Not with sweep, fp16, DP-SGD or SAM yet.",
         minimum=1,
     )
     tensor_parallel_plan: dict[str, Literal["colwise", "rowwise", "replicate"]] | None = option(
@@ -740,8 +741,8 @@ class TrainerConfig(ConfigSection):
                 )
 
     @rule(
-        "tensor_parallel", "sharding", "sweep", "mixed_precision", "dp_l2_norm_clip", "sam_rho", "save_strategy",
-        "resume_from_checkpoint",
+        "tensor_parallel", "sharding_blocks", "sweep", "mixed_precision", "dp_l2_norm_clip", "sam_rho",
+        "save_strategy", "resume_from_checkpoint",
     )  # fmt: skip
     def _tensor_parallel_supported(self) -> Iterable[Problem]:
         if self.tensor_parallel > 1:
@@ -855,11 +856,15 @@ _NOT_SHARDED: dict[str, tuple[Any, str, str]] = {
 
 # What a tensor-parallel state (DTensor params, functrain.distributed.tensor_parallel) refuses, in config
 # terms: what a sharded state refuses, and more (its checkpoints are saved whole and resume on any layout).
+# sharding (ZeRO-1/2/3) shards over the mesh's dp axis; its blocks are refused.
 _NOT_WITH_TP: dict[str, tuple[Any, str, str]] = {
-    "sharding": (
-        lambda c: c.sharding != "none",
-        "ZeRO over the dp axis of a tp mesh is not supported yet (its shards know no DTensor parts)",
-        "set sharding=none",
+    "sharding_blocks": (
+        lambda c: c.sharding_blocks is not None,
+        "the blocks gather their params inside the differentiated function, and making a gathered tp part "
+        "a DTensor there needs DTensor.from_local, an autograd.Function without setup_context, which "
+        "torch.func refuses",
+        "remove sharding_blocks (sharding=params then gathers the params for the whole step, outside the "
+        "gradient)",
     ),
     **_NOT_SHARDED,
     "dp_l2_norm_clip": (

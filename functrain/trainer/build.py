@@ -388,15 +388,16 @@ def pads(config: TrainerConfig, kind: str, *, overridden: bool = False) -> bool:
 
 def sharding(config: TrainerConfig, model: nn.Module | None = None) -> distributed.Sharding | None:
     """``config.sharding`` as a :func:`functrain.distributed.fully_shard` request over every rank (one
-    process: a world of one, which holds everything), or ``None`` (replicated). Call it after
-    ``distributed.initialize()``. ``config.sharding_blocks`` names classes or submodules of ``model``
+    process: a world of one, which holds everything), or ``None`` (replicated; and with
+    ``tensor_parallel > 1``, whose request over the mesh's dp axis :func:`tensor_parallel` makes). Call it
+    after ``distributed.initialize()``. ``config.sharding_blocks`` names classes or submodules of ``model``
     (each name is checked against it when given).
 
     Example:
         >>> sharding(TrainerConfig(max_steps=1, sharding="full")).zero_stage
         3
     """
-    if config.sharding == "none":
+    if config.sharding == "none" or config.tensor_parallel > 1:
         return None
     blocks = "auto" if config.sharding_blocks == ["auto"] else config.sharding_blocks
     missing = unknown_block_names(model, blocks) if model is not None else []
@@ -444,8 +445,11 @@ def tensor_parallel_plan(config: TrainerConfig, model: nn.Module) -> Plan:
 def tensor_parallel(config: TrainerConfig, model: nn.Module, device: torch.device) -> TensorParallel | None:
     """``config.tensor_parallel`` as the step's strategy (:func:`functrain.distributed.tensor_parallel`)
     over a ``(dp, tp)`` mesh of ``world_size / N x N`` torchrun ranks (1-D when they are all one tp
-    group), with :func:`tensor_parallel_plan`; ``None`` for ``tensor_parallel: 1``. Collective (call it
-    on every rank, after ``distributed.initialize()``). Refuses a world size ``N`` does not divide.
+    group and nothing is sharded), with :func:`tensor_parallel_plan`; ``None`` for ``tensor_parallel: 1``.
+    ``config.sharding`` adds ZeRO over the mesh's dp axis (``fully_shard(mesh["dp"], level=...)``: each
+    rank keeps ``1 / world_size`` of the optimizer state, and at ``params`` of the params). Collective
+    (call it on every rank, after ``distributed.initialize()``). Refuses a world size ``N`` does not
+    divide.
 
     Example:
         >>> tensor_parallel(TrainerConfig(max_steps=1), torch.nn.Linear(2, 1), torch.device("cpu")) is None
@@ -466,10 +470,12 @@ def tensor_parallel(config: TrainerConfig, model: nn.Module, device: torch.devic
     plan = tensor_parallel_plan(config, model)
     from torch.distributed.device_mesh import init_device_mesh
 
-    shape, names = ((n,), ("tp",)) if world == n else ((world // n, n), ("dp", "tp"))
+    zero = config.sharding != "none"  # ZeRO shards over the dp axis, even one of a single rank
+    shape, names = ((n,), ("tp",)) if world == n and not zero else ((world // n, n), ("dp", "tp"))
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+    sharding = distributed.fully_shard(mesh["dp"], level=config.sharding) if zero else None
     try:
-        return distributed.tensor_parallel(model, plan, mesh)
+        return distributed.tensor_parallel(model, plan, mesh, sharding=sharding)
     except ValueError as err:  # the plan or the model cannot be split as asked: name the field
         field = "tensor_parallel_plan" if config.tensor_parallel_plan is not None else "tensor_parallel"
         raise ConfigError.single(
@@ -483,10 +489,13 @@ def initial_state(
     tx: optim.GradientTransformation,
     device: torch.device,
     sharding: distributed.Sharding | None = None,
+    strategy: TensorParallel | None = None,
 ) -> tuple[TrainState, Any]:
     """The run's first state (``seed``, on ``device``, fp16's loss scale, ``init_weights_from``) and the
     report of what ``init_weights_from`` loaded (``None`` without it). With ``sharding`` the state is
-    sharded as it is created: the optimizer state is built on the shards, never whole.
+    sharded as it is created: the optimizer state is built on the shards, never whole. With ``strategy``
+    (:func:`tensor_parallel`) it is made whole, given its weights, then placed (collective): each rank
+    keeps its parts (ZeRO over dp included), global rank 0's values.
 
     Example:
         >>> import functrain as ft
@@ -502,8 +511,9 @@ def initial_state(
         loss_scale=LossScale.create() if config.mixed_precision == "fp16" else None,
         sharding=sharding,
     )
+    place = strategy.place if strategy is not None else lambda whole: whole
     if not config.init_weights_from:
-        return state, None
+        return place(state), None
     layout = state.layout
     whole = state if layout is None else state.replace(params=layout.full_params(state.params))
     whole, report = checkpoint.init_weights_from(
@@ -519,7 +529,7 @@ def initial_state(
         whole = whole.replace(
             params={n: local_rows(p, layout.request).clone() for n, p in whole.params.items()}
         )
-    return whole, report
+    return place(whole), report
 
 
 class Losses(NamedTuple):
@@ -671,7 +681,8 @@ def manager(
     """The run's checkpoint folder: retention, and the best model by ``metric_for_best_model`` when the run
     evaluates. Opening it reads only. With ``config.sharding`` a :class:`ShardedCheckpointManager` (one
     file per rank and a manifest, restored on any world size) over ``request`` (default:
-    :func:`sharding` of the config).
+    :func:`sharding` of the config); not with ``tensor_parallel > 1``, whose state is saved gathered whole
+    (one ordinary file, placed again on restore, on any layout).
 
     Example:
         >>> manager(TrainerConfig(output_dir="runs/a", max_steps=1)).latest()  # doctest: +SKIP
@@ -684,7 +695,7 @@ def manager(
         "keep_best": 1 if evaluates else 0,
     }
     directory = Path(config.output_dir) / config.checkpoints_dir
-    if config.sharding != "none":
+    if config.sharding != "none" and config.tensor_parallel == 1:
         return ShardedCheckpointManager(directory, request or sharding(config), **retention)
     return checkpoint.CheckpointManager(directory, **retention)
 

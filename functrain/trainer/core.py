@@ -38,6 +38,7 @@ from torch import nn
 from functrain import callbacks as cbs
 from functrain import checkpoint, distributed, ensemble, optim
 from functrain.checkpoint import restore_onto
+from functrain.checkpoint.placed import strategy_of
 from functrain.compile.tiers import TieredStep
 from functrain.config import ConfigError, Problem, TrainerConfig
 from functrain.distributed.data_ranks import data_ranks
@@ -109,15 +110,16 @@ class Trainer:
         self.total_steps = build.total_steps(cfg, train_dataset)
         self.schedule = build.schedule(cfg, self.total_steps)
         self.tx = optimizer if optimizer is not None else self.build_optimizer()
-        # config.sharding over the torchrun ranks (one process: a world of one); None: replicated
+        # config.sharding over the torchrun ranks (one process: a world of one); None: replicated, or
+        # tensor-parallel (its strategy shards over the mesh's dp axis)
         self.sharding = build.sharding(cfg, model)
         # config.tensor_parallel: the step's strategy over a (dp, tp) mesh; None: off
         self.tensor_parallel = build.tensor_parallel(cfg, model, self.device)
         if cfg.sweep:
             self.state, self.sweep_members = sweep.state(cfg, model, self.tx, self.device)
-        else:
+        else:  # a tensor-parallel state placed: params and moments as DTensors, global rank 0's values
             self.state, self.init_report = build.initial_state(
-                cfg, model, self.tx, self.device, self.sharding
+                cfg, model, self.tx, self.device, self.sharding, self.tensor_parallel
             )
         self._build_steps()
         self._jitted: dict[str, Any] = {}
@@ -316,9 +318,8 @@ class Trainer:
 
     def _build_steps(self) -> None:
         reducer, tp = None, self.tensor_parallel
-        if tp is not None:  # params and moments as DTensors, global rank 0's values on every rank
-            self.state = tp.place(self.state)
-        elif self.sharding is None:  # a sharded state was made the same on every rank as it was created
+        # a sharded state was made the same on every rank as it was created, a tp state as it was placed
+        if tp is None and self.sharding is None:
             self.state, reducer = build.replicated(self.state, self.model, self.device)
         # which slice of the data this process reads: a tp group's ranks one together
         self.data_ranks = data_ranks(self.state)
@@ -379,9 +380,14 @@ def _losses(trainer: Trainer) -> build.Losses:
 
 
 def _with_best(config: TrainerConfig, state: TrainState, best: Mapping[str, Any]) -> TrainState:
-    """``state`` with the best checkpoint's weights (and their average with them: ``config.ema``)."""
+    """``state`` with the best checkpoint's weights (and their average with them: ``config.ema``). A
+    tensor-parallel state is gathered, given them whole and placed again (collective): its fields alone
+    are DTensors (row pieces under ZeRO) that the file's whole tensors would replace as plain ones."""
     fields = averaging.restored_fields(config)
-    return state.replace(**{f: restore_onto(getattr(state, f), best[f], f"state.{f}") for f in fields})
+    strategy = strategy_of(state)
+    whole = state if strategy is None else strategy.gather(state)
+    whole = whole.replace(**{f: restore_onto(getattr(whole, f), best[f], f"state.{f}") for f in fields})
+    return whole if strategy is None else strategy.place(whole)
 
 
 def _as_config(config: TrainerConfig | Mapping[str, Any] | str | os.PathLike[str]) -> TrainerConfig:
