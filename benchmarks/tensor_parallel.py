@@ -20,7 +20,8 @@ whole); FSDP2 gathers one block at a time.
 
 ``--activations``: the bytes autograd saves for the backward per rank (:func:`saved_activations`), by the
 kind of layer that saved them, at tp 1, 2 and 4 on the same per-rank batch (dp = ranks / tp), for
-functrain's TP x dp and TP x ZeRO-3 and torch's ``parallelize_module`` + FSDP2, and the step's peak.
+functrain's TP x dp and TP x ZeRO-3 and torch's ``parallelize_module`` + FSDP2, with the collectives
+and the peaks of the forward + backward (plain autograd; functrain's ``torch.func.grad``) and of the step.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from fnmatch import fnmatch
 
 import torch
 import torch.nn.functional as F
-from sharded import _local_bytes, launch_ranks, timed_steps
+from sharded import _local_bytes, _now_mb, _peak_mb, _reset_peak, launch_ranks, timed_steps
 from torch import nn
 from torch.distributed.tensor.debug import CommDebugMode
 
@@ -153,6 +154,14 @@ def saved_activations(model: nn.Module, loss: Callable[[], torch.Tensor], plan: 
     return by_kind | {"comm " + str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
 
 
+def _peak_of(run: Callable[[], object]) -> float:
+    """The resident memory's peak during ``run()`` above what was live before it, MB."""
+    before = _now_mb()
+    _reset_peak()
+    run()
+    return _peak_mb(before)
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -218,9 +227,14 @@ def worker(args: argparse.Namespace) -> None:
             leaves = ft.tree.leaves((box[0].params, box[0].opt_state))
             return _local_bytes([x for x in leaves if isinstance(x, torch.Tensor) and x.ndim > 0])
 
-        def forward() -> torch.Tensor:  # the step's, under plain autograd
-            params = {k: v.detach().requires_grad_() for k, v in tp.params_for_grad(box[0]).items()}
+        def loss_of(params: dict) -> torch.Tensor:  # the step's loss, of the params it differentiates
             return lm_loss(model_call(model)(params, box[0].buffers), batch)
+
+        def forward() -> torch.Tensor:  # under plain autograd
+            return loss_of({k: v.detach().requires_grad_() for k, v in tp.params_for_grad(box[0]).items()})
+
+        def func_backward() -> None:  # the step's torch.func.grad alone, without the update
+            torch.func.grad(loss_of)(tp.params_for_grad(box[0]))
 
     seconds, peak = timed_steps(run, args.warmup, args.steps, dist.barrier)
     row = {
@@ -231,7 +245,11 @@ def worker(args: argparse.Namespace) -> None:
     }
     if args.activations:
         with tensor_parallel_forward(model):  # as the step (nothing for torch's model)
-            row |= saved_activations(model, forward, GPT_PLAN)
+            row["backward_peak_mb"] = _peak_of(
+                lambda: row.update(saved_activations(model, forward, GPT_PLAN))
+            )
+            if args.config != "torch":
+                row["func_backward_peak_mb"] = _peak_of(func_backward)
     with open(os.path.join(args.out, f"{args.config}_rank{rank}.json"), "w") as f:
         json.dump(row, f)
     dist.barrier()
@@ -274,11 +292,13 @@ def _activations(args: argparse.Namespace) -> None:
         )
     comms = [", ".join(f"{n} {k[5:]}" for k, n in c.items() if k.startswith("comm ")) for c in cols.values()]
     print("| collectives, forward + backward | | " + " | ".join(comms) + " |")
-    print(
-        "| step peak MB (as above) | | "
-        + " | ".join(f"{c['step_peak_mb']:.1f}" for c in cols.values())
-        + " |"
-    )
+    peaks = {"backward_peak_mb": "forward + backward (autograd)", "func_backward_peak_mb": "torch.func.grad"}
+    for key, label in (peaks | {"step_peak_mb": "step (as above)"}).items():
+        print(
+            f"| {label} peak MB | | "
+            + " | ".join(f"{c[key]:.1f}" if key in c else "-" for c in cols.values())
+            + " |"
+        )
 
 
 def main() -> None:
