@@ -54,7 +54,10 @@ def make_eval_step(
     their mean, ``num_examples`` their count (a 0-d tensor) and the metrics get the ``mask``.
 
     Example:
-        >>> eval_step = make_eval_step(model, supervised_loss(torch.nn.functional.cross_entropy))
+        >>> import torch, functrain as ft
+        >>> model = torch.nn.Linear(4, 3)
+        >>> state = ft.TrainState.create(model, ft.optim.sgd(0.1))
+        >>> eval_step = make_eval_step(model, ft.supervised_loss(torch.nn.functional.cross_entropy))
         >>> out = eval_step(state, (torch.randn(8, 4), torch.randint(0, 3, (8,))))
         >>> out["loss"].shape
         torch.Size([])
@@ -101,6 +104,9 @@ def make_predict_step(
     (:class:`~functrain.data.MaskedBatch`) runs whole; :func:`functrain.predict` cuts the padded rows off.
 
     Example:
+        >>> import torch, functrain as ft
+        >>> model = torch.nn.Linear(4, 3)
+        >>> state = ft.TrainState.create(model, ft.optim.sgd(0.1))
         >>> predict_step = make_predict_step(model)
         >>> predict_step(state, torch.randn(2, 4)).shape
         torch.Size([2, 3])
