@@ -20,6 +20,8 @@ Variants:
     ft-background  the ft run built from a config of import specs with compile_background: true
              (``--background``): a niced child process compiles the steps into the fresh inductor cache
              beside the run (its CPU time counted in the process's), the run switches where it pays
+    ft@DIR   the ft run with functrain imported from another checkout (``--against DIR``, e.g. a
+             worktree of main): before/after pairs in one script run, interleaved with the others
 
 Python's bytecode cache is kept between the children (``PYTHONPYCACHEPREFIX``, one scratch folder per
 invocation, filled by an untimed warm-up run of each job's eager and ft variants): an installed package has
@@ -35,6 +37,7 @@ of training), their ratio to the eager loop, the accuracy, and what the tier pol
 Usage:
     python benchmarks/tiers.py --rounds 5           # writes benchmarks/results/tiers.md
     python benchmarks/tiers.py --rounds 2 --jobs digits-long --compiled --out /tmp/long.md
+    python benchmarks/tiers.py --rounds 5 --jobs bert --against ../main --out /tmp/ba.md  # before/after
     python benchmarks/tiers.py --one digits ft      # one run in this process (prints a JSON line)
 """
 
@@ -244,7 +247,11 @@ def one(job: str, variant: str) -> None:
 
 
 def fresh_run(job: str, variant: str, pycache: str | None = None) -> dict:
+    """One run of ``variant`` in a fresh process; ``ft@DIR`` runs ``ft`` with functrain from ``DIR``."""
     load = os.getloadavg()[0]
+    variant, _, checkout = variant.partition("@")
+    paths = [checkout, os.environ.get("PYTHONPATH", "")] if checkout else []
+    path = {"PYTHONPATH": os.pathsep.join(p for p in paths if p)} if checkout else {}
     with tempfile.TemporaryDirectory(prefix="tiers-cache-") as cache:
         env = {
             **os.environ,
@@ -254,6 +261,7 @@ def fresh_run(job: str, variant: str, pycache: str | None = None) -> dict:
             "FUNCTRAIN_CACHE_DIR": os.path.join(cache, "functrain"),
             "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"),
             "TQDM_DISABLE": "",
+            **path,
         }
         started, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
         out = subprocess.run(
@@ -268,7 +276,14 @@ def fresh_run(job: str, variant: str, pycache: str | None = None) -> dict:
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode != 0 or not lines:
         raise RuntimeError(f"{job}/{variant} failed:\n{out.stderr[-3000:]}")
-    return {**json.loads(lines[-1][len("RESULT ") :]), "wall_s": wall, "cpu_s": cpu, "load": load}
+    row = json.loads(lines[-1][len("RESULT ") :])
+    return {
+        **row,
+        "variant": f"{variant}@{checkout}" if checkout else variant,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "load": load,
+    }
 
 
 def main() -> None:
@@ -284,6 +299,9 @@ def main() -> None:
     )
     parser.add_argument("--one", nargs=2, metavar=("JOB", "VARIANT"))
     parser.add_argument(
+        "--against", metavar="DIR", help="also the ft run with functrain imported from checkout DIR (ft@DIR)"
+    )
+    parser.add_argument(
         "--no-bytecode-cache", action="store_true", help="children recompile every module (no .pyc kept)"
     )
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "tiers.md"))
@@ -294,6 +312,7 @@ def main() -> None:
         return
     variants = ["eager", "ft"] + (["ft-compiled"] if args.compiled else [])
     variants += ["ft-background"] if args.background else []
+    variants += [f"ft@{os.path.abspath(args.against)}"] if args.against else []
     with tempfile.TemporaryDirectory(prefix="tiers-pycache-") as pycache:
         rows = rounds(args, variants, None if args.no_bytecode_cache else pycache)
     write(args, variants, rows)
@@ -302,7 +321,8 @@ def main() -> None:
 def rounds(args: argparse.Namespace, variants: list[str], pycache: str | None) -> list[dict]:
     if pycache is not None:
         for job in args.jobs:  # untimed: fills the bytecode cache every timed run then reads
-            for variant in ("eager", "ft"):  # (not ft-compiled: minutes of compiling for a few .pyc)
+            # (not ft-compiled: minutes of compiling for a few .pyc)
+            for variant in ["eager", "ft"] + [v for v in variants if "@" in v]:
                 fresh_run(job, variant, pycache)
     rows: list[dict] = []
     for r in range(args.rounds):
@@ -331,7 +351,8 @@ def write(args: argparse.Namespace, variants: list[str], rows: list[dict]) -> No
         f"Command: python benchmarks/tiers.py --rounds {args.rounds} --device {args.device}"
         + (" --compiled" if args.compiled else "")
         + (" --no-bytecode-cache" if args.no_bytecode_cache else "")
-        + (" --background" if args.background else ""),
+        + (" --background" if args.background else "")
+        + (f" --against {args.against}" if args.against else ""),
         "",
         "Whole jobs in fresh processes (empty functrain and inductor caches, one thread), variants interleaved "
         "in rotated order each round. Medians over rounds; ratios to the eager loop's median, and in brackets "

@@ -320,3 +320,35 @@ def test_eagerly_the_kernel_runs_without_the_custom_ops_dispatch(monkeypatch: py
         torch.vmap(lambda p, g: optim.apply_gradients(tx, {"w": g}, tx.init({"w": p}), {"w": p})[0]["w"])(
             torch.randn(2, 3), torch.randn(2, 3)
         )
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+@pytest.mark.parametrize(
+    "where, bad",
+    [
+        ("param", lambda x: x.clone().requires_grad_()),
+        ("param", lambda x: x.as_subclass(_Subclass)),
+        ("grad", lambda x: x.to_sparse()),
+        ("grad", lambda x: x.to("meta")),
+        ("mu", lambda x: x.to(torch.int32)),
+        ("nu", lambda x: x.as_subclass(_Subclass)),
+        ("nu", lambda x: x.clone().requires_grad_()),
+    ],
+)
+def test_eager_kernel_check_refuses_each_leaf_the_kernel_cannot_take(where: str, bad) -> None:  # type: ignore[no-untyped-def]
+    """Eagerly every leaf (params, grads, moments) is checked, the last one of each list included:
+    a leaf of a subclass, another layout, device or dtype, or one that needs a gradient, means the
+    unfused path; so does a rate that needs a gradient."""
+
+    def applies(rate_needs_grad: bool = False) -> bool:
+        rate = torch.tensor(0.1, requires_grad=rate_needs_grad)
+        return fused._kernel_applies(lists["param"], lists["grad"], [lists["mu"], lists["nu"]], [rate])
+
+    lists = {name: [torch.ones(3), torch.ones(2, 2)] for name in ("param", "grad", "mu", "nu")}
+    assert applies()
+    assert not applies(rate_needs_grad=True)
+    lists[where][-1] = bad(lists[where][-1])
+    assert not applies()

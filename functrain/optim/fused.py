@@ -211,20 +211,42 @@ def _kernel_applies(
     params and grads into being differentiated; a moment of another dtype made by hand reaches torch's
     kernel, which rejects it ("expected scalar type ...").
     """
-    if not params or not all(x.layout == torch.strided for x in grads):
+    if not params:
         return False
-    compiling = torch.compiler.is_dynamo_compiling()
-    if foreach.tracked(params, grads, scalars) if compiling else foreach.tracked(scalars):
+    if not torch.compiler.is_dynamo_compiling():
+        return not foreach.tracked(scalars) and _plain_leaves(
+            [*params, *grads, *(x for xs in moments for x in xs)]
+        )
+    if not all(x.layout == torch.strided for x in grads) or foreach.tracked(params, grads, scalars):
         return False
-    leaves = params if compiling else [*params, *grads, *(x for xs in moments for x in xs)]
     return all(
         type(x) in (Tensor, torch.nn.Parameter)
         and x.layout == torch.strided
         and not x.requires_grad
         and x.dtype in _KERNEL_DTYPES
         and x.device.type in _KERNEL_DEVICES
-        for x in leaves
+        for x in params
     )
+
+
+_PLAIN_TYPES = frozenset((Tensor, torch.nn.Parameter))
+_KERNEL_DTYPE_SET = frozenset(_KERNEL_DTYPES)
+
+
+def _plain_leaves(leaves: list[Tensor]) -> bool:
+    """Eagerly: whether every leaf is a plain dense floating-point tensor on CPU or CUDA that needs no
+    gradient. A loop with C properties (``is_cpu``/``is_cuda``; ``device.type`` builds a device object per
+    leaf): 0.16 against 0.56 ms for a tiny BERT's 164 leaves, on each eager step."""
+    for x in leaves:
+        if not (
+            type(x) in _PLAIN_TYPES
+            and x.layout is torch.strided
+            and not x.requires_grad
+            and x.dtype in _KERNEL_DTYPE_SET
+            and (x.is_cpu or x.is_cuda)
+        ):
+            return False
+    return True
 
 
 def _learning_rate(lr_tx: GradientTransformation, state: OptState, like: Tensor) -> tuple[Tensor, OptState]:
