@@ -384,14 +384,6 @@ class TensorParallel(Replicated):
     def params_for_grad(self, state: Any) -> dict[str, torch.Tensor]:
         """The DTensor params the forward and backward run on: ZeRO-3's row pieces gathered over dp (and
         the replicated params over tp) outside the differentiated function."""
-        if self.zero is not None and torch.compiler.is_dynamo_compiling():
-            raise NotImplementedError(
-                "tensor parallelism with ZeRO (sharding=) does not compile yet: torch 2.13's inductor "
-                "fails on the graph (make_fx rebuilds a tp DeviceMesh with a device_mesh._get_submesh node "
-                "that inductor cannot lower: 'device_mesh._get_submesh is not an OpOverload'); run this step "
-                "eagerly (ft.jit(step, compile=False), Trainer compile: false), or compile tensor "
-                "parallelism without sharding="
-            )
         self._refuse_batch_statistics()
         return self.forward_params(state.params)
 
@@ -548,6 +540,7 @@ def tensor_parallel(
     and ``"grads"`` keep 1/(dp * tp) of every optimizer moment per rank (the gradients reduce-scattered
     over dp once per step, or per micro-batch), ``"params"`` the params too, gathered outside the
     gradient for the step (its peak holds the tp parts whole; :mod:`functrain.distributed.tp_sharding`).
+    Every level compiles (``ft.jit``: one graph, one compile per step).
     ``blocks=`` (gathers inside the gradient) and ``param_dtype=`` are refused (use ``precision="bf16"``).
 
     Refuses a plan entry that matches no submodule, a style other than ``"colwise"``, ``"rowwise"``,
@@ -597,7 +590,32 @@ def tensor_parallel(
         )
     if sharding is not None:
         _check_sharding(sharding, mesh["dp"])
-    return TensorParallel(model, plan, mesh["tp"], dp_group=mesh["dp"].get_group(), sharding=sharding)
+    return TensorParallel(
+        model, plan, _own_mesh(mesh["tp"]), dp_group=mesh["dp"].get_group(), sharding=sharding
+    )
+
+
+# one root mesh per tp group (_own_mesh), keyed by the sub-mesh (equal for equal 2-D meshes) and its
+# group's name (a new process group, a new mesh)
+_OWN_MESHES: dict[tuple[DeviceMesh, str], DeviceMesh] = {}
+
+
+def _own_mesh(sub: DeviceMesh) -> DeviceMesh:
+    """The tp axis of a 2-D mesh as a 1-D mesh of its own (a root over the same process group), one object
+    per group, which every strategy's DTensors live on. Not the sub-mesh ``mesh["tp"]``: each call of that
+    makes a new object, equal to the others, and DTensor's sharding-propagation cache gives an op's output
+    the mesh object of the first equal op it saw. A step traced after another strategy's then returns
+    DTensors on that earlier object, which torch 2.13's make_fx, not finding it among the graph's inputs,
+    derives from the input DTensors' sub-mesh by a ``device_mesh._get_submesh`` node that inductor cannot
+    lower ("is not an OpOverload"): the second TP x ZeRO step compiled in a process failed. One object per
+    group keeps the outputs on the inputs' mesh (one compile per step); a root mesh met untracked would be
+    a graph constant, which inductor takes."""
+    key = (sub, sub.get_group().group_name)
+    if key not in _OWN_MESHES:
+        _OWN_MESHES[key] = DeviceMesh.from_group(
+            sub.get_group(), sub.device_type, mesh_dim_names=sub.mesh_dim_names
+        )
+    return _OWN_MESHES[key]
 
 
 def _check_sharding(sharding: Sharding, dp: DeviceMesh) -> None:
