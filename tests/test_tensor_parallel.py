@@ -55,6 +55,7 @@ def test_tp2_by_dp2_equals_one_process_on_the_global_batch(tmp_path: str) -> Non
     # 4 ranks, a 2-D mesh: each dp rank its half of the global batch, its tp pair splitting the heads
     for out in _torchrun("grid", str(tmp_path), 4, script="tp_worker.py"):
         _equal_to_one_process(out["grid"])
+        assert out["own_mesh"] is True, out  # strategies on mesh2d["tp"] share one mesh object
 
 
 @pytest.mark.compile

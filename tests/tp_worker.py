@@ -293,6 +293,10 @@ def main() -> None:
         out["recompiled"] = run_tp(mesh, compile=True, clip=1e3)
     elif mode == "grid":  # 4 ranks: dp 2 x tp 2
         out["grid"] = run_tp(mesh, compile=False)
+        # a tp sub-mesh given by the user: one mesh object per group for every strategy (each mesh["tp"] is a
+        # new, equal object, which made a process's second compile fail: see _own_mesh)
+        tps = [distributed.tensor_parallel(GPT(), distributed.GPT_PLAN, mesh["tp"]) for _ in range(2)]
+        out["own_mesh"] = tps[0].mesh is tps[1].mesh and tps[0].mesh.size() == mesh["tp"].size()
     elif mode == "grid_compile":
         out["grid"] = run_tp(mesh, compile=True, clip=1e3)  # clip 1e3: see "compile"
     else:

@@ -580,7 +580,8 @@ def tensor_parallel(
                 "tensor_parallel: sharding= shards over the dp axis of a 2-D mesh, and this mesh is 1-D (tp "
                 "only); pass init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), or no sharding="
             )
-        return TensorParallel(model, plan, mesh)
+        root = getattr(mesh, "_get_root_mesh", lambda: mesh)()  # not mesh: a mesh2d["tp"] (see _own_mesh)
+        return TensorParallel(model, plan, mesh if root is mesh else _own_mesh(mesh))
     names = tuple(mesh.mesh_dim_names or ())
     if mesh.ndim != 2 or set(names) != {"dp", "tp"}:
         raise ValueError(
@@ -601,7 +602,7 @@ _OWN_MESHES: dict[tuple[DeviceMesh, str], DeviceMesh] = {}
 
 
 def _own_mesh(sub: DeviceMesh) -> DeviceMesh:
-    """The tp axis of a 2-D mesh as a 1-D mesh of its own (a root over the same process group), one object
+    """The tp axis of a 2-D mesh (made here, or given as ``mesh2d["tp"]``) as a 1-D mesh of its own (a root over the same process group), one object
     per group, which every strategy's DTensors live on. Not the sub-mesh ``mesh["tp"]``: each call of that
     makes a new object, equal to the others, and DTensor's sharding-propagation cache gives an op's output
     the mesh object of the first equal op it saw. A step traced after another strategy's then returns
