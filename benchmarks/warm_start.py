@@ -19,6 +19,11 @@ the main process plus its children. A child is counted by its USS (its own pages
 (``TORCHINDUCTOR_COMPILE_THREADS``) and with functrain's policy (:mod:`functrain.compile.workers`: one per
 idle core), interleaved, each in an empty inductor cache: start time, CPU and peak memory against eager.
 
+``--instructions``: the bytecode instructions dynamo interprets to trace each job's step (counted by
+wrapping ``InstructionTranslatorBase.step``; deterministic, unlike time on a shared machine), in total and
+by the source file and function they run in, inclusive of what those call; inductor is replaced by a
+backend that runs dynamo's graph as it is.
+
 ``--interrupt``: a fit run with checkpoints and ``Preemption`` gets SIGINT ``--delay`` seconds after
 inductor receives the graph (a cold compile): seconds until the run has saved and returned, and until the
 process has exited.
@@ -27,6 +32,7 @@ Usage:
     python benchmarks/warm_start.py --jobs mlp gpt bert --repeats 2
     python benchmarks/warm_start.py --workers --jobs mlp gpt --repeats 2
     python benchmarks/warm_start.py --interrupt --jobs mlp gpt --delay 0.5 3
+    python benchmarks/warm_start.py --instructions --jobs mlp gpt
 """
 
 from __future__ import annotations
@@ -259,6 +265,47 @@ def interrupts(jobs: list[str], delays: list[float]) -> None:
     print(f"load average {os.getloadavg()[0]:.1f}")
 
 
+def instructions(jobs: list[str], top: int = 12) -> None:
+    """Per job: dynamo's interpreted instructions for one trace of the step, and where they run."""
+    import collections
+    import importlib
+
+    from torch._dynamo import symbolic_convert
+
+    import functrain as ft
+
+    jit_module = importlib.import_module("functrain.jit")  # `functrain.jit` is also the function
+    jit_module.compile_graph = lambda gm, example_inputs, config: gm.forward  # no inductor
+    inclusive: collections.Counter[str] = collections.Counter()
+    original = symbolic_convert.InstructionTranslatorBase.step
+
+    def counting(tx):  # this frame and each caller's, once per instruction
+        seen, frame = set(), tx
+        while frame is not None:
+            code = frame.f_code
+            where = f"{'/'.join(code.co_filename.split('/')[-2:])}:{code.co_firstlineno} {code.co_name}"
+            if where not in seen:
+                seen.add(where)
+                inclusive[where] += 1
+            frame = getattr(frame, "parent", None)
+        return original(tx)
+
+    symbolic_convert.InstructionTranslatorBase.step = counting
+    try:
+        for job in jobs:
+            inclusive.clear()
+            torch._dynamo.reset()
+            model, batch, loss = _job(job)
+            state = ft.TrainState.create(model, ft.optim.adamw(1e-3))
+            ft.jit(ft.make_train_step(model, loss))(state, batch)
+            # the outermost frame (jit's wrapper) counts every instruction
+            print(f"{job}: {max(inclusive.values())} instructions; inclusive, the largest:")
+            for where, n in inclusive.most_common(top + 1)[1:]:
+                print(f"  {n:7d}  {where}")
+    finally:
+        symbolic_convert.InstructionTranslatorBase.step = original
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--jobs", nargs="+", default=["mlp", "gpt", "bert"], help="--interrupt: mlp, gpt")
@@ -267,6 +314,7 @@ def main() -> None:
     p.add_argument(
         "--workers", action="store_true", help="cold compiles with 1, 2 and the policy's compilers"
     )
+    p.add_argument("--instructions", action="store_true", help="dynamo's instructions per step trace")
     p.add_argument("--delay", nargs="+", type=float, default=[0.5, 3.0])
     p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -275,7 +323,9 @@ def main() -> None:
         print(json.dumps(child(*args.child)))
         return
     print(f"torch {torch.__version__}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
-    if args.interrupt:
+    if args.instructions:
+        instructions(args.jobs)
+    elif args.interrupt:
         interrupts(args.jobs, args.delay)
     elif args.workers:
         compile_workers(args.jobs, args.repeats)

@@ -20,6 +20,12 @@ uninterrupted run's; both paths are bitwise the same but for a forward whose ran
 kernel choice that the transform changes (``nn.MultiheadAttention``'s dropout), where the draws are the
 eager PyTorch loop's (tests/test_step_grad.py).
 
+While dynamo traces (a compiled step), :func:`_traced_grad_and_value` is ``grad_and_value``'s own
+implementation with the params walked in plain loops: the same functorch calls in the same order, so the
+same graph, without torch's Python pytree flattening, rebuilding and mapping the params dict five times,
+which dynamo interprets node by node (~230 bytecode instructions per param: 7.5k of a 2-layer GPT step's
+24k; benchmarks/README.md, warm start).
+
 Example:
     >>> import torch
     >>> fn = loss_and_grad(lambda p, x: ((p["w"] * x).sum(), {}))
@@ -34,6 +40,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch._functorch import eager_transforms as functorch_impl
 from torch.func import grad_and_value, vjp
 
 from functrain import tree
@@ -41,6 +48,19 @@ from functrain import tree
 __all__ = ["loss_and_grad", "plain_autograd_applies"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+# What torch.func.grad_and_value's implementation calls (torch._functorch.eager_transforms); a torch
+# without one of them traces the transform itself.
+_FUNCTORCH_PIECES = (
+    "grad_increment_nesting",
+    "enable_inplace_requires_grad",
+    "_wrap_for_grad",
+    "_set_tensor_requires_grad",
+    "_wrap_all_tensors",
+    "_autograd_grad",
+    "_unwrap_for_grad",
+    "_undo_create_differentiable",
+)
+_TRACED_IMPL = all(hasattr(functorch_impl, name) for name in _FUNCTORCH_PIECES)
 
 
 def plain_autograd_applies(params: Mapping[str, Any]) -> bool:
@@ -73,7 +93,7 @@ def loss_and_grad(fn: Callable[..., tuple[torch.Tensor, Any]]) -> Callable[..., 
     def grad_fn(params: dict[str, torch.Tensor], *args: Any) -> Any:
         nonlocal checked
         if torch.compiler.is_dynamo_compiling():  # first: a trace never reads (nor guards on) `checked`
-            return transformed(params, *args)
+            return _traced_grad_and_value(fn, params, args)
         if not plain_autograd_applies(params):
             return transformed(params, *args)
         if not checked:
@@ -105,3 +125,40 @@ def _plain_grad_and_value(fn: Callable[..., Any], params: dict[str, torch.Tensor
 
 def _detached(x: Any) -> Any:
     return x.detach() if isinstance(x, torch.Tensor) else x
+
+
+# grad_and_value's refusal of saved-tensor hooks (torch.utils.checkpoint's), in its words.
+_NO_SAVED_TENSOR_HOOKS = (
+    "torch.func.{grad, vjp, jacrev, hessian} don't yet support saved tensor hooks. "
+    "Please open an issue with your use case."
+)
+
+
+def _traced_grad_and_value(fn: Callable[..., Any], params: dict[str, torch.Tensor], args: tuple) -> Any:
+    """``grad_and_value(fn, argnums=0, has_aux=True)(params, *args)`` for dynamo to trace: torch's
+    ``grad_and_value_impl`` step by step (the same functorch calls, so the same graph and the same
+    values), with the params dict walked in plain loops instead of torch's Python pytree. The other
+    arguments and ``aux`` (a few leaves) go through functorch's own pytree helpers."""
+    f = functorch_impl
+    with (
+        torch.autograd.graph.disable_saved_tensors_hooks(_NO_SAVED_TENSOR_HOOKS),
+        f.grad_increment_nesting() as level,
+        torch.enable_grad(),  # grad_and_value's "NOTE [grad and vjp interaction with no_grad]"
+    ):
+        wrapped = {}
+        for name, p in params.items():
+            if not isinstance(p, torch.Tensor):
+                raise ValueError(f"loss_and_grad: params[{name!r}] is a {type(p).__name__}, not a tensor")
+            wrapped[name] = f._wrap_for_grad(p, level)
+        args = f._wrap_all_tensors(args, level)
+        with f.enable_inplace_requires_grad(True):
+            for p in wrapped.values():
+                f._set_tensor_requires_grad(p)
+        value, aux = fn(wrapped, *args)
+        if not isinstance(value, torch.Tensor) or value.dim() != 0:
+            raise RuntimeError("loss_and_grad: the function must return (a 0-d tensor, aux)")
+        grads = f._autograd_grad((value,), tuple(wrapped.values()), create_graph=True)
+        out = {name: f._unwrap_for_grad(g, level) for name, g in zip(wrapped, grads)}
+        value = f._unwrap_for_grad(value, level)
+        aux = f._undo_create_differentiable(aux, level)
+    return out, (value, aux)
