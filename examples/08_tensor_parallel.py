@@ -27,8 +27,7 @@ Expected with the defaults (150 steps; torch 2.13 on a CPU): the loss falls from
 same on 1, 2 and 4 ranks, with or without ``--sharding``, to float32 rounding (the gathered model's: 2.654
 on each); each of 2 ranks holds 0.57 of the replicated bytes, each of 4 ranks (dp 2 x tp 2) 0.57, 0.36
 with ``--sharding optimizer`` and 0.25 with ``--sharding params``. About 20 s on 2 quiet CPU cores eager
-(4 ranks: about twice that), plus about 2 minutes compiling with --compile (compiled ZeRO over dp: refused
-by the step for now, run it eagerly).
+(4 ranks: about twice that), plus about 2 minutes compiling with --compile (with ``--sharding`` too).
 Writes ``--out`` (default runs/08_tensor_parallel/final.ckpt).
 """
 
