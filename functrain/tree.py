@@ -25,6 +25,7 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import functools
+import itertools
 import types
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
@@ -85,8 +86,16 @@ def field(*, static: bool = False, **kwargs: Any) -> Any:
 
 
 def _replace(self: T, **changes: Any) -> T:
-    """Return a copy with the given fields changed (the instance itself is never mutated)."""
-    return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+    """Return a copy with the given fields changed (the instance itself is never mutated).
+
+    While dynamo traces, a struct's fields are read with builtins (see :func:`_traced_leaves`):
+    ``dataclasses.replace``'s loop over the fields cost it ~40 instructions a field."""
+    fields = _struct_fields(type(self))
+    if fields is None or not torch.compiler.is_dynamo_compiling():
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+    names = fields[0] + fields[1]
+    current = _dict(names, builtins.map(getattr, itertools.repeat(self), names))
+    return type(self)(**{**current, **changes})
 
 
 def struct(cls: type[T]) -> type[T]:
@@ -142,7 +151,17 @@ def struct(cls: type[T]) -> type[T]:
         flatten_with_keys_fn=flatten_with_keys_fn,
     )
     cls.__functrain_struct__ = (data, static)  # type: ignore[attr-defined]
+    cls.__functrain_struct_class__ = cls  # type: ignore[attr-defined]  # a subclass inherits both
     return cls
+
+
+def _struct_fields(kind: type) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """``(data, static)`` field names of a class made by :func:`struct` (not of a subclass: optree and
+    torch know only the class registered), else None. Not ``kind.__dict__``: a mapping proxy breaks
+    dynamo's graph once the trace has mutated a dict."""
+    if getattr(kind, "__functrain_struct_class__", None) is not kind:
+        return None
+    return kind.__functrain_struct__  # type: ignore[attr-defined]
 
 
 def is_struct(obj: Any) -> bool:
@@ -239,15 +258,73 @@ def _flat_dict(tree: PyTree) -> bool:
     """
     if type(tree) is not dict or not torch.compiler.is_dynamo_compiling():
         return False
-    # Builtins over the whole dict, not a Python loop that dynamo traces leaf by leaf (~40% less trace
-    # time at 300 leaves). ``builtins.map``: this module's ``map`` is the tree map.
-    return set(builtins.map(type, tree)) <= {str} and all(builtins.map(torch.is_tensor, tree.values()))
+    return _str_keys(tree) and _all_true(builtins.map(torch.is_tensor, tree.values()))
+
+
+# Inside a trace, per-leaf work goes through builtins mapped over a whole list (``map``, ``filter``,
+# ``frozenset``, ``getattr``, a dict's ``__getitem__``/``__setitem__``): dynamo runs those in its own
+# code. A Python loop or comprehension, and ``set()``, ``all()``, ``dict(zip())`` (which dynamo replaces
+# by Python polyfills), are interpreted instruction by instruction, ~10-20 a leaf
+# (benchmarks/warm_start.py --instructions). ``builtins.map``: this module's ``map`` is the tree map.
+_STR = frozenset((str,))
+_TRUE = frozenset((True,))
+
+
+def _str_keys(d: dict) -> bool:
+    return frozenset(builtins.map(type, d)) <= _STR
+
+
+def _all_true(flags: Iterable[Any]) -> bool:
+    """``all(flags)`` for booleans, without the interpreted ``all``."""
+    return frozenset(flags) <= _TRUE
+
+
+def _values(d: dict, keys: Iterable[Any]) -> list[Any]:
+    """``[d[k] for k in keys]``."""
+    return list(builtins.map(d.__getitem__, keys))
+
+
+def _dict(keys: Iterable[Any], values: Iterable[Any]) -> dict:
+    """``dict(zip(keys, values))``."""
+    out: dict = {}
+    list(builtins.map(out.__setitem__, keys, values))
+    return out
+
+
+def _traced_leaves(tree: PyTree) -> list[Any]:
+    """optree's leaves of ``tree`` (functrain's namespace) for dynamo to trace: tuples, lists, ``None``,
+    dicts with string keys (sorted, as optree) and structs walked here; any other node (a namedtuple, an
+    ``OrderedDict``, a subclass) by optree, whose polyfill costs dynamo ~2k instructions for a few nodes
+    (the optimizer's rate and decay states, on every step's trace)."""
+    out: list[Any] = []
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        kind = type(node)
+        if isinstance(node, torch.Tensor):
+            out.append(node)
+            continue
+        if node is None:
+            continue
+        if kind is tuple or kind is list:
+            children = node
+        elif kind is dict and _str_keys(node):
+            children = _values(node, sorted(node))
+        elif _struct_fields(kind) is not None:
+            children = list(builtins.map(getattr, itertools.repeat(node), _struct_fields(kind)[0]))
+        else:
+            out.extend(optree.tree_leaves(node, namespace=NAMESPACE))
+            continue
+        stack.extend(children[::-1])  # (``reversed`` is a polyfill)
+    return out
 
 
 def leaves(tree: PyTree) -> list[Any]:
     """The leaves of ``tree`` in optree order."""
     if _flat_dict(tree):
-        return [tree[k] for k in sorted(tree)]
+        return _values(tree, sorted(tree))
+    if torch.compiler.is_dynamo_compiling():
+        return _traced_leaves(tree)
     return optree.tree_leaves(tree, namespace=NAMESPACE)
 
 
@@ -259,15 +336,15 @@ def flatten(tree: PyTree) -> tuple[list[Any], optree.PyTreeSpec | DictSpec]:
     """
     if _flat_dict(tree):
         order = tuple(sorted(tree))
-        return [tree[k] for k in order], DictSpec(tuple(tree), order)
+        return _values(tree, order), DictSpec(tuple(tree), order)
     return optree.tree_flatten(tree, namespace=NAMESPACE)
 
 
 def unflatten(spec: optree.PyTreeSpec | DictSpec, leaves_: Iterable[Any]) -> PyTree:
     """Inverse of :func:`flatten`."""
     if isinstance(spec, DictSpec):
-        by_key = dict(zip(spec.order, leaves_))
-        return {k: by_key[k] for k in spec.keys}
+        by_key = _dict(spec.order, leaves_)
+        return _dict(spec.keys, builtins.map(by_key.__getitem__, spec.keys))
     return optree.tree_unflatten(spec, leaves_)
 
 
@@ -376,7 +453,10 @@ def paths(tree: PyTree) -> list[str]:
 
 
 def _tensors(tree: PyTree) -> list[torch.Tensor]:
-    return [x for x in leaves(tree) if isinstance(x, torch.Tensor)]
+    xs = leaves(tree)
+    if _all_true(builtins.map(torch.is_tensor, xs)):  # (``filter`` is a polyfill)
+        return xs
+    return [x for x in xs if isinstance(x, torch.Tensor)]
 
 
 def zeros_like(tree: PyTree, dtype: torch.dtype | None = None) -> PyTree:
@@ -419,8 +499,11 @@ def global_norm(
     if not xs:
         return torch.zeros(())
     norms = (foreach.norm if norm is None else norm)(xs)
-    dtype = torch.float64 if any(n.dtype == torch.float64 for n in norms) else torch.float32
-    return torch.linalg.vector_norm(torch.stack([n.to(dtype) for n in norms]))
+    dtypes = frozenset(builtins.map(getattr, norms, itertools.repeat("dtype")))
+    dtype = torch.float64 if torch.float64 in dtypes else torch.float32
+    if dtypes != {dtype}:  # else each ``.to`` would return its tensor (one node each in a trace)
+        norms = [n.to(dtype) for n in norms]
+    return torch.linalg.vector_norm(torch.stack(norms))
 
 
 def num_elements(tree: PyTree) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dynamo_instructions import instructions_traced
 from test_optim import _one_thread, _run_parity  # noqa: F401  (_one_thread: an autouse fixture)
 
 from functrain import optim, tree
@@ -352,3 +353,43 @@ def test_eager_kernel_check_refuses_each_leaf_the_kernel_cannot_take(where: str,
     assert not applies(rate_needs_grad=True)
     lists[where][-1] = bad(lists[where][-1])
     assert not applies()
+
+
+def _apply_instructions(n_params: int) -> int:
+    """Instructions dynamo interprets to trace AdamW's fused apply and the gradients' global norm over
+    ``n_params`` params (what a train step's update costs its trace)."""
+    params = {f"layer{i}.weight": torch.randn(3) for i in range(n_params)}
+    grads = {k: torch.randn(3) for k in params}
+    tx = optim.adamw(1e-3, weight_decay=0.1)
+
+    def update(params, grads, state):  # type: ignore[no-untyped-def]
+        return optim.apply_gradients(tx, grads, state, params), tree.global_norm(grads)
+
+    return instructions_traced(update, params, grads, tx.init(params))
+
+
+def test_the_traced_apply_grows_by_few_instructions_per_param() -> None:
+    # Python loops and optree over the leaves (flattening params, grads and moments, the kernel's checks
+    # per leaf, rebuilding the dicts, a no-op .to per norm) cost dynamo ~190 instructions a param, and a
+    # 2-layer GPT step's update 12.0k of its 17.7k; builtins mapped over the leaves run in dynamo's code.
+    per_param = (_apply_instructions(40) - _apply_instructions(8)) / 32
+    assert per_param < 20, per_param
+
+
+def test_the_traced_apply_matches_eager_bitwise() -> None:
+    torch.manual_seed(0)
+    params = {f"p{i}": torch.randn(4) for i in (3, 1, 2)}  # insertion order is not optree's sorted order
+    grads = {k: torch.randn(4) for k in params}
+    tx = optim.adamw(1e-2, weight_decay=0.1)
+
+    def update(params, grads, state):  # type: ignore[no-untyped-def]
+        return optim.apply_gradients(tx, grads, state, params), tree.global_norm(grads)
+
+    state = tx.init(params)
+    expected = update(params, grads, state)
+    torch._dynamo.reset()
+    traced = torch.compile(update, backend="eager", fullgraph=True)(params, grads, state)
+    assert list(traced[0][0]) == list(params)
+    flat_e, spec_e = torch.utils._pytree.tree_flatten(expected)
+    flat_t, spec_t = torch.utils._pytree.tree_flatten(traced)
+    assert spec_e == spec_t and all(a is b or torch.equal(a, b) for a, b in zip(flat_e, flat_t))

@@ -4,11 +4,10 @@ Python pytree walk per param (issue 33, warm start)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch._dynamo
+from dynamo_instructions import instructions_traced
 from torch import nn
-from torch._dynamo import symbolic_convert
 
 from functrain.step.grad import loss_and_grad
 
@@ -86,18 +85,7 @@ def _instructions_traced(n_params: int) -> int:
         value = torch.stack([(p * x).sum() for p in params.values()]).sum()
         return value, value.detach()
 
-    count = [0]
-    original = symbolic_convert.InstructionTranslatorBase.step
-
-    def counting(self):
-        count[0] += 1
-        return original(self)
-
-    torch._dynamo.reset()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(symbolic_convert.InstructionTranslatorBase, "step", counting)
-        torch.compile(loss_and_grad(loss), backend="eager", fullgraph=True)(params, x)
-    return count[0]
+    return instructions_traced(loss_and_grad(loss), params, x)
 
 
 def test_the_trace_grows_by_few_instructions_per_param() -> None:

@@ -126,3 +126,27 @@ def test_padded_batch_examples_reach_the_reducer_as_the_mask_count() -> None:
     step(state, MaskedBatch((x, y), mask))
     assert int(seen[0]) == 5
     assert isinstance(seen[0], torch.Tensor)  # counted on the device, not on the host
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_model_call_swaps_the_tensors_in_and_a_shared_modules_own_back(traced: bool) -> None:
+    # One Linear reached by two names ("0.weight" and its tied alias "2.weight"): the same slot is
+    # swapped twice, and the originals go back in reverse order, so the module keeps its own Parameter.
+    from functrain.step.bind import model_call
+
+    torch.manual_seed(0)
+    shared = torch.nn.Linear(3, 3)
+    model = torch.nn.Sequential(shared, torch.nn.Tanh(), shared)
+    own = dict(shared._parameters)
+    params = {k: torch.randn_like(v) for k, v in model.named_parameters()}
+    x = torch.randn(2, 3)
+
+    def run(params: dict, x: torch.Tensor) -> torch.Tensor:
+        return model_call(model)(params, {})(x)
+
+    if traced:
+        torch._dynamo.reset()
+        run = torch.compile(run, backend="eager", fullgraph=True)
+    out = run(params, x)
+    assert all(shared._parameters[k] is v for k, v in own.items())
+    assert torch.equal(out, torch.func.functional_call(model, params, (x,)))  # (which keeps no identity)

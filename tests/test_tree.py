@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import collections
+
+import optree
 import pytest
 import torch
 
@@ -57,3 +60,50 @@ def test_keep_where_under_a_transform_or_a_compile_stays_a_where():
     # differentiable as torch.where: the gradient flows to the kept tree only
     grad = torch.func.grad(lambda n: tree.keep_where(torch.tensor(False), {"w": n}, old)["w"].sum())(new["w"])
     assert torch.equal(grad, torch.zeros(2, 3))
+
+
+@tree.struct
+class _Pair:
+    a: torch.Tensor
+    b: object
+    how: str = tree.field(static=True, default="x")
+
+
+class _PairSubclass(_Pair):  # not registered: a leaf to optree
+    pass
+
+
+def test_leaves_and_replace_while_tracing_are_optrees_and_dataclasses():
+    # Traced, tree.leaves walks tuples, lists, str-keyed dicts and structs itself, and replace reads a
+    # struct's fields itself: the same leaves in the same order, the same struct, as eagerly.
+    point = collections.namedtuple("point", "y x")
+
+    def t(value: float) -> torch.Tensor:
+        return torch.tensor([float(value)])
+
+    nested = (
+        [t(1), None, {"b": t(2), "a": (t(3), 4)}],
+        _Pair(t(5), {"z": t(6), "c": None}),
+        _PairSubclass(t(7), 8),
+        point(t(9), t(10)),
+        collections.OrderedDict([("q", t(11)), ("p", t(12))]),
+        {2: t(13), 1: t(14)},
+        (),
+        t(15),
+    )
+
+    def traced(nested):
+        return tree.leaves(nested), nested[1].replace(a=nested[1].a * 2).replace(b=3)
+
+    torch._dynamo.reset()
+    leaves, replaced = torch.compile(traced, backend="eager", fullgraph=True)(nested)
+    expected = optree.tree_leaves(nested, namespace=tree.NAMESPACE)
+    assert len(leaves) == len(expected) == 14
+    assert all(
+        x is y if not isinstance(y, torch.Tensor) else torch.equal(x, y) for x, y in zip(leaves, expected)
+    )
+    assert (
+        type(replaced) is _Pair and torch.equal(replaced.a, t(10)) and replaced.b == 3 and replaced.how == "x"
+    )
+    walked = tree._traced_leaves(nested)  # the walk itself, eagerly: the same objects
+    assert len(walked) == len(expected) and all(x is y for x, y in zip(walked, expected))

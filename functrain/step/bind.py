@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -43,14 +44,16 @@ def _tied_aliases(model: nn.Module | ApplyFn) -> dict[str, str]:
     return dict(model_variables(model, copy=False)[2]) if isinstance(model, nn.Module) else {}
 
 
-# Where each tensor of a model lives: its module, its name there, and whether it is a parameter.
-Slots = dict[str, tuple[nn.Module, str, bool]]
+# Where each tensor of a model lives, by name: its module, the module's dict that holds it
+# (``"_parameters"`` or ``"_buffers"``), and its name there.
+Slots = dict[str, tuple[nn.Module, str, str]]
 
 
 def _slots(model: nn.Module | ApplyFn) -> Slots | None:
     """Each parameter's and buffer's slot (every name, tied ones included), found once when a step is
     built; None for models that :func:`model_call` leaves to ``torch.func.functional_call`` (a function,
-    or a module with parametrizations, whose names are not plain slots)."""
+    or a module with parametrizations or with its tensors in something else than a ``dict``, whose
+    names are not plain slots)."""
     if not isinstance(model, nn.Module):
         return None
     from torch.nn.utils import parametrize
@@ -59,9 +62,11 @@ def _slots(model: nn.Module | ApplyFn) -> Slots | None:
     for prefix, module in model.named_modules(remove_duplicate=False):
         if parametrize.is_parametrized(module):
             return None
-        for kind, members in ((True, module._parameters), (False, module._buffers)):
-            for attr in members:
-                slots[f"{prefix}.{attr}" if prefix else attr] = (module, attr, kind)
+        for kind in ("_parameters", "_buffers"):
+            if type(getattr(module, kind)) is not dict:  # the call writes with dict.__setitem__
+                return None
+            for attr in getattr(module, kind):
+                slots[f"{prefix}.{attr}" if prefix else attr] = (module, kind, attr)
     return slots
 
 
@@ -85,6 +90,7 @@ def model_call(model: nn.Module | ApplyFn) -> Callable[[dict, dict], Callable[..
 
         return bind_apply_fn
     aliases, slots = _tied_aliases(model), _slots(model)
+    modules, kinds, attrs_of = ({n: slot[i] for n, slot in (slots or {}).items()} for i in range(3))
 
     def bind(params: dict, buffers: dict) -> Callable[..., Any]:
         tensors = {**params, **buffers}
@@ -97,22 +103,19 @@ def model_call(model: nn.Module | ApplyFn) -> Callable[[dict, dict], Callable[..
             return call_functional
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            swapped = []
+            if False in frozenset(map(slots.__contains__, tensors)):  # not all plain slots
+                return call_functional(*args, **kwargs)
+            # Builtins mapped over the names, not a loop: dynamo runs them in its own code (a loop cost it
+            # ~35 instructions a tensor to trace; functrain/tree.py). Every original is read before any
+            # is replaced, so a module reached by two names (shared) gets its own tensor back.
+            members = list(map(getattr, map(modules.__getitem__, tensors), map(kinds.__getitem__, tensors)))
+            attrs = list(map(attrs_of.__getitem__, tensors))
+            originals = list(map(operator.getitem, members, attrs))
             try:
-                for name, tensor in tensors.items():
-                    slot = slots.get(name)
-                    if slot is None:  # not a plain slot: functional_call below
-                        break
-                    module, attr, is_param = slot
-                    members = module._parameters if is_param else module._buffers
-                    swapped.append((members, attr, members[attr]))
-                    members[attr] = tensor
-                else:
-                    return model(*args, **kwargs)
+                list(map(dict.__setitem__, members, attrs, tensors.values()))
+                return model(*args, **kwargs)
             finally:
-                for members, attr, original in reversed(swapped):
-                    members[attr] = original
-            return call_functional(*args, **kwargs)
+                list(map(dict.__setitem__, members, attrs, originals))
 
         return call
 
