@@ -371,9 +371,10 @@ def _apply_instructions(n_params: int) -> int:
 def test_the_traced_apply_grows_by_few_instructions_per_param() -> None:
     # Python loops and optree over the leaves (flattening params, grads and moments, the kernel's checks
     # per leaf, rebuilding the dicts, a no-op .to per norm) cost dynamo ~190 instructions a param, and a
-    # 2-layer GPT step's update 12.0k of its 17.7k; builtins mapped over the leaves run in dynamo's code.
+    # 2-layer GPT step's update 12.0k of its 17.7k; builtins mapped over the leaves run in dynamo's code
+    # (measured 6 a param on torch 2.13, 33 on 2.10, whose dynamo interprets more of them).
     per_param = (_apply_instructions(40) - _apply_instructions(8)) / 32
-    assert per_param < 20, per_param
+    assert per_param < 60, per_param
 
 
 def test_the_traced_apply_matches_eager_bitwise() -> None:
