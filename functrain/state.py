@@ -20,8 +20,6 @@ from torch import nn
 
 from functrain import random, tree
 from functrain.core.variables import model_variables
-from functrain.distributed.data_ranks import tp_mesh
-from functrain.distributed.sharded_step import apply_full_gradients
 from functrain.distributed.sharding import shard_variables
 from functrain.optim import GradientTransformation, apply_gradients
 
@@ -176,10 +174,8 @@ class TrainState:
         """
         if self.tx is None:
             raise ValueError("apply_gradients: this state has no optimizer (tx); create it with one")
-        if tp_mesh(self) is not None:
-            return _apply_placed_gradients(self, grads)
-        if self.layout is not None:  # full (already reduced) grads: this rank's rows are used
-            return apply_full_gradients(self, grads)
+        if self.layout is not None:  # whole (already reduced) grads: each rank updates its parts
+            return self.layout.apply_full_gradients(self, grads)
         params, opt_state = apply_gradients(self.tx, grads, self.opt_state, self.params)
         return self.replace(step=self.step + 1, params=params, opt_state=opt_state)
 
@@ -252,31 +248,6 @@ class TrainState:
             lines.append(f"  metrics={_describe(self.metrics)},")
         lines.append(f"  rng={self.rng.tolist()})")
         return "\n".join(lines)
-
-
-def _apply_placed_gradients(state: TrainState, grads: Mapping[str, torch.Tensor]) -> TrainState:
-    """``apply_gradients`` on a tensor-parallel state (its layout a ``TensorParallel``): the gradients
-    placed as the params (a plain whole one cut locally), under ZeRO cut to this rank's row pieces, and
-    the optimizer run as the train step runs it (the strategy's rows and norms over the mesh)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    tp = state.layout
-    if set(grads) != set(state.params):
-        raise ValueError(
-            f"apply_gradients: the gradients name {sorted(set(grads) ^ set(state.params))[:6]} which the "
-            "params do not, or lack them; give one gradient per param"
-        )
-    placed = {}
-    for name, g in grads.items():
-        want = tp.placements[name]
-        if isinstance(g, DTensor):
-            placed[name] = g.redistribute(tp.mesh, want)
-        else:  # the same whole tensor on every rank: each keeps its part, no collective
-            placed[name] = distribute_tensor(g.detach(), tp.mesh, want, src_data_rank=None)
-    if tp.zero is not None:
-        placed = tp.zero.rows(placed)
-    params, opt_state = apply_gradients(state.tx, placed, state.opt_state, tp.opt_params(state), norm=tp.norm)
-    return state.replace(step=state.step + 1, params=tp.params_at_rest(state, params), opt_state=opt_state)
 
 
 def _to(t: Any, device: str | torch.device | None, dtype: torch.dtype | None) -> Any:

@@ -32,26 +32,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from functrain.core import foreach
 from functrain.distributed.blocks import GatheredBlocks
 from functrain.distributed.gradients import GradientReducer
-from functrain.distributed.sharding import Sharding, ShardLayout, local_rows
+from functrain.distributed.sharding import Sharding, ShardLayout
 from functrain.distributed.strategy import Examples, Reduced, Replicated
 
-__all__ = ["ShardedStep", "apply_full_gradients", "global_norm_fn", "weigh_grads"]
+__all__ = ["ShardedStep", "global_norm_fn", "weigh_grads"]
 
 
 def global_norm_fn(sharding: Sharding) -> Callable[[list[torch.Tensor]], list[torch.Tensor]] | None:
     """The per-leaf norms of all ranks' rows (``functrain.optim.NormFn``) for leaves sharded as
     ``sharding``; ``None`` on one rank (each leaf is whole)."""
-    if sharding.world_size == 1:
-        return None
-    layout = ShardLayout(sharding, ())
-
-    def norm(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-        return layout.global_norms(list(foreach.norm(leaves)))
-
-    return norm
+    return ShardLayout(sharding, ()).norm_fn()
 
 
 class ShardedStep(Replicated):
@@ -217,20 +209,3 @@ def weigh_grads(
         return {k: torch.zeros_like(g, dtype=master[k]) for k, g in grads.items()}
     factor = examples if factor is None else factor
     return {k: g.to(master[k]) * factor for k, g in grads.items()}
-
-
-def apply_full_gradients(state: Any, grads: Mapping[str, torch.Tensor]) -> Any:
-    """``state.apply_gradients(grads)`` for a sharded state: ``grads`` are whole and already reduced
-    (the same on every rank); this rank's rows update its shards."""
-    from functrain.optim import apply_gradients
-
-    layout: ShardLayout = state.layout
-    local_grads = {k: local_rows(g, layout.request) for k, g in grads.items()}
-    local, opt_state = apply_gradients(
-        state.tx,
-        local_grads,
-        state.opt_state,
-        layout.local(state.params),
-        norm=global_norm_fn(layout.request),
-    )
-    return state.replace(step=state.step + 1, params=layout.at_rest(local), opt_state=opt_state)

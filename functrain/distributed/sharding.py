@@ -44,6 +44,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from functrain.core import foreach
 from functrain.core.tree_walk import leaves_with_paths, rebuild
 from functrain.distributed.block_spec import Blocks, check_blocks
 from functrain.distributed.env import is_distributed
@@ -302,6 +303,25 @@ class ShardLayout:
             for n, piece in zip(group, pieces):
                 out[n] = piece.reshape(s.local_shape(self.global_shape(n)))
         return {n: out[n] for n in names}
+
+    def norm_fn(self) -> Callable[[list[torch.Tensor]], list[torch.Tensor]] | None:
+        """The per-leaf norms of all ranks' rows (``functrain.optim.NormFn``) for leaves sharded as this
+        layout's request; ``None`` on one rank (each leaf is whole)."""
+        if self.request.world_size == 1:
+            return None
+        return lambda leaves: self.global_norms(list(foreach.norm(leaves)))
+
+    def apply_full_gradients(self, state: Any, grads: Mapping[str, torch.Tensor]) -> Any:
+        """``state.apply_gradients(grads)`` for a state sharded by this layout: ``grads`` are whole and
+        already reduced (the same on every rank); this rank's rows update its shards."""
+        from functrain.optim import apply_gradients
+
+        norm = self.norm_fn()
+        local_grads = {k: local_rows(g, self.request) for k, g in grads.items()}
+        local, opt_state = apply_gradients(
+            state.tx, local_grads, state.opt_state, self.local(state.params), norm=norm
+        )
+        return state.replace(step=state.step + 1, params=self.at_rest(local), opt_state=opt_state)
 
     def local(self, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The rows the optimizer updates on this rank: the shards themselves (ZeRO-3), or this rank's

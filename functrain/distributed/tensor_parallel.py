@@ -424,6 +424,34 @@ class TensorParallel(Replicated):
             return dict(state.params)
         return self.zero.rows(state.params)
 
+    def apply_full_gradients(self, state: Any, grads: Mapping[str, torch.Tensor]) -> Any:
+        """``state.apply_gradients(grads)`` for a placed state: ``grads`` whole and already reduced (the
+        same on every rank; plain, or DTensors of the mesh), placed as the params (a plain one cut
+        locally), under ZeRO cut to this rank's row pieces, and the optimizer run as the train step runs
+        it (the strategy's norms over the mesh)."""
+        from functrain.optim import apply_gradients
+
+        if set(grads) != set(state.params):
+            raise ValueError(
+                f"apply_gradients: the gradients name {sorted(set(grads) ^ set(state.params))[:6]} which the "
+                "params do not, or lack them; give one gradient per param"
+            )
+        placed = {}
+        for name, g in grads.items():
+            want = self.placements[name]
+            if isinstance(g, DTensor):
+                placed[name] = g.redistribute(self.mesh, want)
+            else:  # the same whole tensor on every rank: each keeps its part, no collective
+                placed[name] = distribute_tensor(g.detach(), self.mesh, want, src_data_rank=None)
+        if self.zero is not None:
+            placed = self.zero.rows(placed)
+        params, opt_state = apply_gradients(
+            state.tx, placed, state.opt_state, self.opt_params(state), norm=self.norm
+        )
+        return state.replace(
+            step=state.step + 1, params=self.params_at_rest(state, params), opt_state=opt_state
+        )
+
     def params_at_rest(self, state: Any, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The updated params (row pieces under ZeRO) as the state keeps them."""
         return self.at_rest(params)
