@@ -106,7 +106,17 @@ def make_train_step(
         passes) lets the optimizer write into the incoming state's tensors.
 
     Example:
-        >>> step = make_train_step(model, supervised_loss(torch.nn.functional.cross_entropy), accumulate=2)
+        >>> import torch, functrain as ft
+        >>> model = torch.nn.Linear(4, 3)
+        >>> state = ft.TrainState.create(model, ft.optim.sgd(0.1))
+        >>> loss_fn = ft.supervised_loss(torch.nn.functional.cross_entropy)
+        >>> batch = (torch.randn(8, 4), torch.randint(0, 3, (8,)))
+        >>> new_state, metrics = make_train_step(model, loss_fn, accumulate=2)(state, batch)
+        >>> int(new_state.step), sorted(metrics)
+        (1, ['grad_norm', 'loss'])
+        >>> whole, _ = make_train_step(model, loss_fn)(state, batch)  # two micro-batches: the same update
+        >>> torch.allclose(new_state.params["weight"], whole.params["weight"])
+        True
     """
     if not isinstance(accumulate, int) or accumulate < 1:
         raise ValueError(f"accumulate must be a positive int, got {accumulate!r}")
