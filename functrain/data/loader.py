@@ -121,27 +121,7 @@ class Loader:
         pad_last: bool = False,
         shuffle_buffer: int | None = None,
     ) -> None:
-        _check_int("num_workers", num_workers, minimum=0)
-        if prefetch_factor is not None:
-            _check_int("prefetch_factor", prefetch_factor, minimum=1)
-            if num_workers == 0:
-                raise ValueError(
-                    f"Loader: prefetch_factor={prefetch_factor} needs worker processes (num_workers > 0); "
-                    "set num_workers, or leave prefetch_factor unset (prefetch= sets how many batches "
-                    "the loading thread keeps ready)"
-                )
-        _check_int("prefetch", prefetch, minimum=0)
-        _check_int("world_size", world_size, minimum=1)
-        _check_int("rank", rank, minimum=0)
-        if shuffle_buffer is not None:
-            _check_int("shuffle_buffer", shuffle_buffer, minimum=1)
-        if rank >= world_size:
-            raise ValueError(f"Loader: rank must be < world_size={world_size}, got rank={rank}")
-        if key is not None and not random.is_key(key):
-            raise TypeError(
-                f"Loader: key must be a functrain random key (CPU int64 tensor of shape (2,)), got "
-                f"{type(key).__name__}; make one with functrain.random.key(seed)"
-            )
+        _check_options(num_workers, prefetch_factor, prefetch, world_size, rank, shuffle_buffer, key)
         self.device = torch.device(device) if device is not None else None
         self.prefetch = prefetch
         self.pad_last = bool(pad_last)
@@ -170,33 +150,8 @@ class Loader:
             self._source = DataLoaderSource(data)
             return
 
-        if pin_memory and not torch.cuda.is_available():
-            warnings.warn(
-                "Loader: pin_memory=True has no effect without CUDA; it is ignored", UserWarning, stacklevel=2
-            )
-            pin_memory = False
-        if batch_size is None:
-            raise ValueError(
-                "Loader: batch_size is required for a dataset (only a DataLoader brings its own)"
-            )
-        _check_int("batch_size", batch_size, minimum=1)
         workers = WorkerOptions(num_workers, bool(persistent_workers), prefetch_factor, worker_init_fn)
-        if is_stream(data):
-            self._source = _stream_source(
-                data,
-                batch_size,
-                shuffle,
-                key,
-                drop_last,
-                collate_fn,
-                workers,
-                pin_memory,
-                world_size,
-                shuffle_buffer,
-            )
-            return
-
-        self._source = _map_source(
+        self._source = _dataset_source(
             data,
             batch_size,
             shuffle,
@@ -419,6 +374,90 @@ def _mapped(items: Iterator[Any], transfer: Callable[[Any], Any]) -> Iterator[An
 def _check_int(name: str, value: Any, *, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"Loader: {name} must be an int >= {minimum}, got {value!r}")
+
+
+def _check_options(
+    num_workers: Any,
+    prefetch_factor: Any,
+    prefetch: Any,
+    world_size: Any,
+    rank: Any,
+    shuffle_buffer: Any,
+    key: Any,
+) -> None:
+    """Refuse the Loader options that are wrong whatever the data (counts, the rank, the key)."""
+    _check_int("num_workers", num_workers, minimum=0)
+    if prefetch_factor is not None:
+        _check_int("prefetch_factor", prefetch_factor, minimum=1)
+        if num_workers == 0:
+            raise ValueError(
+                f"Loader: prefetch_factor={prefetch_factor} needs worker processes (num_workers > 0); "
+                "set num_workers, or leave prefetch_factor unset (prefetch= sets how many batches "
+                "the loading thread keeps ready)"
+            )
+    _check_int("prefetch", prefetch, minimum=0)
+    _check_int("world_size", world_size, minimum=1)
+    _check_int("rank", rank, minimum=0)
+    if shuffle_buffer is not None:
+        _check_int("shuffle_buffer", shuffle_buffer, minimum=1)
+    if rank >= world_size:
+        raise ValueError(f"Loader: rank must be < world_size={world_size}, got rank={rank}")
+    if key is not None and not random.is_key(key):
+        raise TypeError(
+            f"Loader: key must be a functrain random key (CPU int64 tensor of shape (2,)), got "
+            f"{type(key).__name__}; make one with functrain.random.key(seed)"
+        )
+
+
+def _dataset_source(
+    data: Any,
+    batch_size: int | None,
+    shuffle: bool | None,
+    key: torch.Tensor | None,
+    drop_last: bool,
+    collate_fn: Callable[[list[Any]], Any] | None,
+    workers: WorkerOptions,
+    pin_memory: bool,
+    rank: int,
+    world_size: int,
+    shuffle_buffer: int | None,
+) -> MapSource | IterableSource:
+    """A dataset's source (not a DataLoader's): a stream's (:func:`_stream_source`) or a map-style
+    dataset's (:func:`_map_source`), each batch of ``batch_size`` examples."""
+    if pin_memory and not torch.cuda.is_available():
+        warnings.warn(
+            "Loader: pin_memory=True has no effect without CUDA; it is ignored", UserWarning, stacklevel=3
+        )
+        pin_memory = False
+    if batch_size is None:
+        raise ValueError("Loader: batch_size is required for a dataset (only a DataLoader brings its own)")
+    _check_int("batch_size", batch_size, minimum=1)
+    if is_stream(data):
+        return _stream_source(
+            data,
+            batch_size,
+            shuffle,
+            key,
+            drop_last,
+            collate_fn,
+            workers,
+            pin_memory,
+            world_size,
+            shuffle_buffer,
+        )
+    return _map_source(
+        data,
+        batch_size,
+        shuffle,
+        key,
+        drop_last,
+        collate_fn,
+        workers,
+        pin_memory,
+        rank,
+        world_size,
+        shuffle_buffer,
+    )
 
 
 def _refuse_options_beside_a_dataloader(given: dict[str, bool]) -> None:
