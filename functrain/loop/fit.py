@@ -119,6 +119,12 @@ def fit(
         check_batches=check_batches,
     )
     run, state = Run.start(state, train_step, train_data, options)  # checked, resumed; train_begin fired
+    return _loop(run, state, train_step, save_final)
+
+
+def _loop(run: Run, state: Any, train_step: Callable[..., Any], save_final: bool) -> FitResult:
+    """The loop itself: each batch, the step, and ``run`` before and after it, until the data or the run
+    ends; then the final save. The run is closed whatever happens."""
     try:
         for batch in run.batches():
             state = run.before_step(state, batch)  # epoch_begin, step_begin
