@@ -9,6 +9,10 @@ import importlib
 import pytest
 
 MODULES = [
+    "functrain.callbacks.monitors",
+    "functrain.callbacks.nonfinite",
+    "functrain.callbacks.preemption",
+    "functrain.callbacks.progress",
     "functrain.checkpoint.onto",
     "functrain.checkpoint.sharded",
     "functrain.checkpoint.structure",
