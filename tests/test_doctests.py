@@ -28,6 +28,8 @@ MODULES = [
     "functrain.loop.run",
     "functrain.remat",
     "functrain.state",
+    "functrain.trainer.core",
+    "functrain.trainer.tasks",
 ]
 
 
