@@ -504,8 +504,11 @@ def routed_checkpoint(model: Any = None) -> Iterator[None]:
     reached: call it through the module, or use :func:`remat`.
 
     Example:
-        >>> with routed_checkpoint(model):
-        ...     loss = model(x).sum()
+        >>> with routed_checkpoint(torch.nn.Linear(4, 4)):
+        ...     torch.utils.checkpoint.checkpoint is checkpoint
+        True
+        >>> torch.utils.checkpoint.checkpoint is checkpoint  # restored on exit
+        False
     """
     if torch_checkpoint.checkpoint is not _TORCH_CHECKPOINT:  # already routed (nested steps)
         yield

@@ -68,6 +68,7 @@ class TrainState:
     them without waiting for the device.
 
     Example:
+        >>> import functrain as ft
         >>> model = torch.nn.Linear(3, 1)
         >>> state = TrainState.create(model, ft.optim.adam(1e-3), seed=1)
         >>> grads = tree.zeros_like(state.params)
@@ -122,6 +123,7 @@ class TrainState:
                 before the optimizer state is made, so that state is sharded from the start.
 
         Example:
+            >>> import functrain as ft
             >>> state = TrainState.create(torch.nn.Linear(2, 2), ft.optim.sgd(0.1), device="cpu")
             >>> big = torch.nn.Linear(2, 2)
             >>> shared = TrainState.create(big, ft.optim.sgd(0.1), copy=False)
@@ -167,6 +169,7 @@ class TrainState:
         parts with the norms over every rank (clipping); collective then.
 
         Example:
+            >>> import functrain as ft
             >>> state = TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd(1.0))
             >>> new = state.apply_gradients({k: torch.ones_like(v) for k, v in state.params.items()})
             >>> bool((new.params["bias"] == state.params["bias"] - 1).all())
@@ -186,6 +189,7 @@ class TrainState:
         floating tensors to ``dtype``. ``step`` and ``rng`` stay on the CPU.
 
         Example:
+            >>> import functrain as ft
             >>> state = TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd(0.1))
             >>> state.to(dtype=torch.float64).params["weight"].dtype
             torch.float64
@@ -212,6 +216,7 @@ class TrainState:
         ``model.load_state_dict(state.state_dict())``.
 
         Example:
+            >>> import functrain as ft
             >>> model = torch.nn.Linear(2, 1)
             >>> model.load_state_dict(TrainState.create(model, ft.optim.sgd(0.1)).state_dict())
             <All keys matched successfully>

@@ -23,7 +23,15 @@ class LearningRateMonitor(Callback):
     Values are read from the state as tensors and converted only when the loop logs (no extra sync).
 
     Example:
-        >>> ft.fit(state, step, data, batch_size=32, epochs=1, callbacks=[LearningRateMonitor()])
+        >>> import torch, functrain as ft
+        >>> model = torch.nn.Linear(4, 2)
+        >>> state = ft.TrainState.create(model, ft.optim.sgd(0.1))
+        >>> step = ft.make_train_step(model, ft.supervised_loss(torch.nn.functional.cross_entropy))
+        >>> data = [(torch.randn(4), torch.tensor(i % 2)) for i in range(64)]
+        >>> result = ft.fit(state, step, data, batch_size=16, epochs=1, progress_bar=False,
+        ...                 callbacks=[LearningRateMonitor()])
+        >>> round(result.history.latest("lr"), 6)
+        0.1
     """
 
     def __init__(self, names: tuple[str, ...] | None = ("learning_rate",)) -> None:
@@ -51,8 +59,15 @@ class Timer(Callback):
     once, and counting it in the rate would predict hours. Until such a window, no ETA is logged.
 
     Example:
-        >>> timer = Timer()
-        >>> ft.fit(state, step, data, batch_size=32, epochs=1, callbacks=[timer])
+        >>> import torch, functrain as ft
+        >>> model = torch.nn.Linear(4, 2)
+        >>> state = ft.TrainState.create(model, ft.optim.sgd(0.1))
+        >>> step = ft.make_train_step(model, ft.supervised_loss(torch.nn.functional.cross_entropy))
+        >>> data = [(torch.randn(4), torch.tensor(i % 2)) for i in range(64)]
+        >>> result = ft.fit(state, step, data, batch_size=16, epochs=1, log_steps=1, progress_bar=False,
+        ...                 callbacks=[Timer()])
+        >>> sorted(name for name in result.history.names() if name.startswith("time/"))
+        ['time/eta_s', 'time/samples_per_s', 'time/steps_per_s']
     """
 
     def __init__(self) -> None:

@@ -12,8 +12,17 @@ every step is skipped has diverged and will not recover.
 ``TrainerConfig(nonfinite=..., max_consecutive_nonfinite=...)`` sets both up for a ``Trainer``.
 
 Example:
-    >>> step = ft.jit(skip_nonfinite(ft.make_train_step(model, loss_fn)))
-    >>> result = ft.fit(state, step, data, batch_size=32, epochs=3, callbacks=[SkippedSteps(10)])
+    >>> import torch, functrain as ft
+    >>> model = torch.nn.Linear(4, 2)
+    >>> state = ft.TrainState.create(model, ft.optim.sgd(0.1))
+    >>> step = ft.make_train_step(model, ft.supervised_loss(torch.nn.functional.cross_entropy))
+    >>> data = [(torch.randn(4), torch.tensor(i % 2)) for i in range(64)]
+    >>> data[0] = (torch.full((4,), float("nan")), torch.tensor(0))  # one batch's loss is NaN
+    >>> guarded = ft.jit(skip_nonfinite(step), compile=False)
+    >>> result = ft.fit(state, guarded, data, batch_size=16, epochs=1, progress_bar=False,
+    ...                 callbacks=[SkippedSteps(10)])
+    >>> result.history.latest("train/skipped_steps"), bool(result.state.params["weight"].isfinite().all())
+    (1.0, True)
 """
 
 from __future__ import annotations
@@ -44,10 +53,14 @@ def skip_nonfinite(train_step: Callable[[Any, Any], tuple[Any, dict[str, Any]]])
     after the update, so it never updates them in place, even when donated.
 
     Example:
+        >>> import functrain as ft
+        >>> model = torch.nn.Linear(4, 2)
+        >>> state = ft.TrainState.create(model, ft.optim.sgd(0.1))
+        >>> loss_fn = ft.supervised_loss(torch.nn.functional.cross_entropy)
         >>> step = skip_nonfinite(ft.make_train_step(model, loss_fn))
-        >>> new, metrics = step(state, nan_batch)
-        >>> float(metrics["skipped"]), torch.equal(new.params["w"], state.params["w"])
-        (1.0, True)
+        >>> new, metrics = step(state, (torch.full((2, 4), float("nan")), torch.tensor([0, 1])))
+        >>> float(metrics["skipped"]), torch.equal(new.params["bias"], state.params["bias"]), int(new.step)
+        (1.0, True, 1)
     """
 
     inner = as_step(train_step)  # the same step (model, settling forward, ...) around another function
@@ -80,8 +93,18 @@ class SkippedSteps(Callback):
     per step) and raises at the skipped step itself. ``max_consecutive=None`` never raises.
 
     Example:
-        >>> ft.fit(state, ft.jit(skip_nonfinite(step)), data, batch_size=32, epochs=3,
-        ...        callbacks=[SkippedSteps(max_consecutive=10)])
+        >>> import torch, functrain as ft
+        >>> model = torch.nn.Linear(4, 2)
+        >>> state = ft.TrainState.create(model, ft.optim.sgd(0.1))
+        >>> step = ft.make_train_step(model, ft.supervised_loss(torch.nn.functional.cross_entropy))
+        >>> data = [(torch.randn(4), torch.tensor(i % 2)) for i in range(64)]
+        >>> data[:16] = [(torch.full((4,), float("nan")), torch.tensor(0))] * 16  # every batch has a NaN
+        >>> try:
+        ...     ft.fit(state, skip_nonfinite(step), data, batch_size=16, epochs=1, progress_bar=False,
+        ...            callbacks=[SkippedSteps(max_consecutive=4)])
+        ... except NonFiniteLossError as error:
+        ...     print(type(error).__name__)
+        NonFiniteLossError
     """
 
     def __init__(self, max_consecutive: int | None = 10, *, every_step: bool = False) -> None:

@@ -20,7 +20,22 @@ class Preemption(Callback):
     The handlers are installed at train begin and the previous ones restored at train end.
 
     Example:
-        >>> ft.fit(state, step, data, batch_size=32, epochs=10, checkpoints="ckpt", callbacks=[Preemption()])
+        >>> import torch, functrain as ft
+        >>> model = torch.nn.Linear(4, 2)
+        >>> state = ft.TrainState.create(model, ft.optim.sgd(0.1))
+        >>> step = ft.make_train_step(model, ft.supervised_loss(torch.nn.functional.cross_entropy))
+        >>> data = [(torch.randn(4), torch.tensor(i % 2)) for i in range(64)]
+        >>> def sigterm_in_step_2(state, batch):  # as a scheduler would, during the second step
+        ...     if int(state.step) == 1:
+        ...         signal.raise_signal(signal.SIGTERM)
+        ...     return step(state, batch)
+        >>> import os, tempfile
+        >>> run_dir = tempfile.TemporaryDirectory()
+        >>> result = ft.fit(state, sigterm_in_step_2, data, batch_size=16, epochs=1, checkpoints=run_dir.name,
+        ...                 progress_bar=False, callbacks=[Preemption()])
+        >>> result.preempted, int(result.state.step), os.listdir(run_dir.name)
+        (True, 2, ['step_0000000002.ckpt'])
+        >>> run_dir.cleanup()
     """
 
     def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:

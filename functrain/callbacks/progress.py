@@ -32,7 +32,14 @@ class ProgressBar(Callback):
     returns, while nothing has compiled yet (``ctx.compiles == 0``).
 
     Example:
-        >>> ft.fit(state, step, data, batch_size=32, epochs=1, callbacks=[ProgressBar(leave=False)])
+        >>> import torch, functrain as ft
+        >>> model = torch.nn.Linear(4, 2)
+        >>> state = ft.TrainState.create(model, ft.optim.sgd(0.1))
+        >>> step = ft.make_train_step(model, ft.supervised_loss(torch.nn.functional.cross_entropy))
+        >>> data = [(torch.randn(4), torch.tensor(i % 2)) for i in range(64)]
+        >>> result = ft.fit(state, step, data, batch_size=16, epochs=1, callbacks=[ProgressBar(leave=False)])
+        >>> int(result.state.step)  # the bar (on stderr) counted these
+        4
     """
 
     def __init__(self, *, leave: bool = True, keys: list[str] | None = None) -> None:
@@ -101,8 +108,15 @@ class PrintMetrics(Callback):
     """Print the logged values every ``every`` steps (Towhee's ``print_steps``) and after evaluations.
 
     Example:
-        >>> ft.fit(state, step, data, batch_size=32, epochs=1, log_steps=10, progress_bar=False,
-        ...        callbacks=[PrintMetrics(every=10)])
+        >>> import torch, functrain as ft
+        >>> model = torch.nn.Linear(4, 2)
+        >>> state = ft.TrainState.create(model, ft.optim.sgd(0.1))
+        >>> step = ft.make_train_step(model, ft.supervised_loss(torch.nn.functional.cross_entropy))
+        >>> data = [(torch.randn(4), torch.tensor(i % 2)) for i in range(64)]
+        >>> result = ft.fit(state, step, data, batch_size=16, epochs=1, log_steps=2, progress_bar=False,
+        ...                 callbacks=[PrintMetrics(every=2)])  # doctest: +ELLIPSIS
+        step 2  epoch 0  train/grad_norm=...  train/loss=...
+        done at step 4  train/grad_norm=...  train/loss=...
     """
 
     def __init__(self, every: int = 50, print_fn: Any = print) -> None:

@@ -94,8 +94,8 @@ def fit_checkpoint_hint(saved_keys: Iterable[Any], target: Any, sharded: bool = 
     ``""`` for any other mismatch.
 
     Example:
-        >>> fit_checkpoint_hint(["state", "loop"], {"params": {}})[:39]
-        "it is a fit checkpoint: it holds {'state"
+        >>> fit_checkpoint_hint(["state", "loop"], {"params": {}})[:50]
+        "it is a fit checkpoint: it holds {'state', 'loop'}"
     """
     if not {"state", "loop"} <= set(saved_keys) or (isinstance(target, dict) and "state" in target):
         return ""

@@ -20,9 +20,9 @@ the whole state is assembled. A tensor-parallel state is refused (save and resto
 its own, it is saved whole by ``CheckpointManager`` (:mod:`functrain.checkpoint.placed`).
 
 Example:
-    >>> save_sharded("run", 100, state)  # doctest: +SKIP   (every rank calls it)
-    >>> state = restore_sharded("run", target=state)  # doctest: +SKIP   (any world size)
-    >>> full = restore_sharded("run")  # doctest: +SKIP   (plain containers, no process group needed)
+    >>> save_sharded("run", 100, state)  # every rank calls it  # doctest: +SKIP
+    >>> state = restore_sharded("run", target=state)  # any world size  # doctest: +SKIP
+    >>> full = restore_sharded("run")  # plain containers, no process group needed  # doctest: +SKIP
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -120,83 +121,128 @@ def decode(
         >>> decode(["struct", "Point", ["x"], [["float", 1.0]]], [])
         {'x': 1.0}
     """
-    used: set[int] = set()
-
-    def _expect(condition: bool, path: Path, what: str) -> None:
-        if not condition:
-            raise CheckpointError(f"{name}: malformed tree in header at {_where(path)}: {what}")
-
-    def walk(item: Any, path: Path) -> Any:
-        value = walk_node(item, path)
-        if leaves is not None and item[0] not in _CONTAINER_TAGS:
-            leaves.append((path, value))
-        return value
-
-    def walk_node(item: Any, path: Path) -> Any:
-        _expect(isinstance(item, list) and item and isinstance(item[0], str), path, "expected a tagged list")
-        tag, args = item[0], item[1:]
-        try:
-            if tag == "tensor":
-                (index,) = args
-                _expect(type(index) is int and 0 <= index < len(tensors), path, f"bad tensor index {index!r}")
-                _expect(index not in used, path, f"tensor {index} is used twice")
-                used.add(index)
-                value = tensors[index]
-                return skipped if value is None else value
-            if tag == "none":
-                _expect(not args, path, "'none' takes no value")
-                return None
-            if tag in ("bool", "int", "float", "str", "bytes"):
-                (value,) = args
-                expected = {"bool": bool, "int": int, "float": float, "str": str, "bytes": bytes}[tag]
-                _expect(type(value) is expected, path, f"{tag} leaf holds a {type(value).__qualname__}")
-                return value
-            if tag == "complex":
-                real, imag = args
-                _expect(type(real) is float and type(imag) is float, path, "complex parts must be floats")
-                return complex(real, imag)
-            if tag == "dict":
-                (pairs,) = args
-                _expect(isinstance(pairs, list), path, "dict items must be a list")
-                out = {}
-                for pair in pairs:
-                    _expect(isinstance(pair, list) and len(pair) == 2, path, "dict item must be [key, value]")
-                    key, child = pair
-                    _expect(isinstance(key, _KEY_TYPES), path, f"dict key of type {type(key).__qualname__}")
-                    out[key] = walk(child, (*path, key))
-                return out
-            if tag in ("list", "tuple"):
-                (children,) = args
-                _expect(isinstance(children, list), path, f"{tag} children must be a list")
-                values = [walk(child, (*path, i)) for i, child in enumerate(children)]
-                return values if tag == "list" else tuple(values)
-            if tag in ("namedtuple", "struct"):
-                _name, fields, children = args
-                _expect(
-                    isinstance(fields, list)
-                    and isinstance(children, list)
-                    and len(fields) == len(children)
-                    and all(isinstance(f, str) for f in fields),
-                    path,
-                    f"{tag} needs as many string field names as children",
-                )
-                values = [walk(child, (*path, f)) for f, child in zip(fields, children)]
-                return tuple(values) if tag == "namedtuple" else dict(zip(fields, values))
-        except (ValueError, TypeError) as error:  # wrong number of arguments in a crafted node
-            raise CheckpointError(
-                f"{name}: malformed tree in header at {_where(path)}: {tag!r:.80} node: {error}"
-            ) from None
-        raise CheckpointError(
-            f"{name}: malformed tree in header at {_where(path)}: unknown node kind {tag!r:.80}"
-        )
-
+    reader = _Reader(tensors, skipped, leaves, name)
     try:
-        result = walk(node, ())
+        result = reader.walk(node, ())
     except RecursionError:
         raise CheckpointError(f"{name}: malformed tree in header: nested too deeply") from None
-    if len(used) != len(tensors):
+    if len(reader.used) != len(tensors):
         raise CheckpointError(
-            f"{name}: malformed tree in header: {len(tensors) - len(used)} tensor(s) of the table are not in "
-            "the tree"
+            f"{name}: malformed tree in header: {len(tensors) - len(reader.used)} tensor(s) of the table are "
+            "not in the tree"
         )
     return result
+
+
+@dataclasses.dataclass
+class _Reader:
+    """One :func:`decode`: what it reads from (``tensors``), what it gives (``skipped``, ``leaves``), and the
+    tensor slots used so far (each once). A node is read by the function its tag names (``_READERS``)."""
+
+    tensors: Sequence[Any]
+    skipped: Any
+    leaves: list[tuple[Path, Any]] | None
+    name: str
+    used: set[int] = dataclasses.field(default_factory=set)
+
+    def expect(self, condition: bool, path: Path, what: str) -> None:
+        if not condition:
+            raise CheckpointError(f"{self.name}: malformed tree in header at {_where(path)}: {what}")
+
+    def walk(self, item: Any, path: Path) -> Any:
+        """The value of node ``item`` at ``path``; a leaf is also added to ``leaves``."""
+        self.expect(
+            isinstance(item, list) and item and isinstance(item[0], str), path, "expected a tagged list"
+        )
+        tag, args = item[0], item[1:]
+        read = _READERS.get(tag)
+        if read is None:
+            raise CheckpointError(
+                f"{self.name}: malformed tree in header at {_where(path)}: unknown node kind {tag!r:.80}"
+            )
+        try:
+            value = read(self, tag, args, path)
+        except (ValueError, TypeError) as error:  # wrong number of arguments in a crafted node
+            raise CheckpointError(
+                f"{self.name}: malformed tree in header at {_where(path)}: {tag!r:.80} node: {error}"
+            ) from None
+        if self.leaves is not None and tag not in _CONTAINER_TAGS:
+            self.leaves.append((path, value))
+        return value
+
+
+def _read_tensor(reader: _Reader, tag: str, args: list[Any], path: Path) -> Any:
+    (index,) = args
+    reader.expect(
+        type(index) is int and 0 <= index < len(reader.tensors), path, f"bad tensor index {index!r}"
+    )
+    reader.expect(index not in reader.used, path, f"tensor {index} is used twice")
+    reader.used.add(index)
+    value = reader.tensors[index]
+    return reader.skipped if value is None else value
+
+
+def _read_none(reader: _Reader, tag: str, args: list[Any], path: Path) -> None:
+    reader.expect(not args, path, "'none' takes no value")
+
+
+_SCALAR_TYPES = {"bool": bool, "int": int, "float": float, "str": str, "bytes": bytes}
+
+
+def _read_scalar(reader: _Reader, tag: str, args: list[Any], path: Path) -> Any:
+    (value,) = args
+    reader.expect(type(value) is _SCALAR_TYPES[tag], path, f"{tag} leaf holds a {type(value).__qualname__}")
+    return value
+
+
+def _read_complex(reader: _Reader, tag: str, args: list[Any], path: Path) -> complex:
+    real, imag = args
+    reader.expect(type(real) is float and type(imag) is float, path, "complex parts must be floats")
+    return complex(real, imag)
+
+
+def _read_dict(reader: _Reader, tag: str, args: list[Any], path: Path) -> dict:
+    (pairs,) = args
+    reader.expect(isinstance(pairs, list), path, "dict items must be a list")
+    out = {}
+    for pair in pairs:
+        reader.expect(isinstance(pair, list) and len(pair) == 2, path, "dict item must be [key, value]")
+        key, child = pair
+        reader.expect(isinstance(key, _KEY_TYPES), path, f"dict key of type {type(key).__qualname__}")
+        out[key] = reader.walk(child, (*path, key))
+    return out
+
+
+def _read_sequence(reader: _Reader, tag: str, args: list[Any], path: Path) -> list | tuple:
+    (children,) = args
+    reader.expect(isinstance(children, list), path, f"{tag} children must be a list")
+    values = [reader.walk(child, (*path, i)) for i, child in enumerate(children)]
+    return values if tag == "list" else tuple(values)
+
+
+def _read_fields(reader: _Reader, tag: str, args: list[Any], path: Path) -> tuple | dict:
+    """A named tuple (as a tuple) or a struct (as a dict of its fields)."""
+    _name, fields, children = args
+    reader.expect(
+        isinstance(fields, list)
+        and isinstance(children, list)
+        and len(fields) == len(children)
+        and all(isinstance(f, str) for f in fields),
+        path,
+        f"{tag} needs as many string field names as children",
+    )
+    values = [reader.walk(child, (*path, f)) for f, child in zip(fields, children)]
+    return tuple(values) if tag == "namedtuple" else dict(zip(fields, values))
+
+
+_READERS = {
+    "tensor": _read_tensor,
+    "none": _read_none,
+    **dict.fromkeys(_SCALAR_TYPES, _read_scalar),
+    "complex": _read_complex,
+    "dict": _read_dict,
+    "list": _read_sequence,
+    "tuple": _read_sequence,
+    "namedtuple": _read_fields,
+    "struct": _read_fields,
+}

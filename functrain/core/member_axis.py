@@ -25,6 +25,7 @@ def is_ensemble(state: Any) -> bool:
     """True for a stacked state (its ``step`` has a member axis).
 
     Example:
+        >>> import functrain as ft
         >>> is_ensemble(ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd(0.1)))
         False
     """
@@ -36,6 +37,7 @@ def size(state: Any) -> int:
     """The number of members of a stacked state.
 
     Example:
+        >>> import functrain as ft
         >>> size(ft.ensemble.create(torch.nn.Linear(2, 1), ft.optim.sgd(0.1), n=4))
         4
     """
@@ -51,6 +53,7 @@ def metric_naming(state: Any) -> MetricNaming:
     (:class:`~functrain.core.member_names.MemberNaming`), plain scalars for one model.
 
     Example:
+        >>> import functrain as ft
         >>> metric_naming(ft.ensemble.create(torch.nn.Linear(2, 1), ft.optim.sgd(0.1), n=3)).shape
         (3,)
     """

@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -121,27 +122,7 @@ class Loader:
         pad_last: bool = False,
         shuffle_buffer: int | None = None,
     ) -> None:
-        _check_int("num_workers", num_workers, minimum=0)
-        if prefetch_factor is not None:
-            _check_int("prefetch_factor", prefetch_factor, minimum=1)
-            if num_workers == 0:
-                raise ValueError(
-                    f"Loader: prefetch_factor={prefetch_factor} needs worker processes (num_workers > 0); "
-                    "set num_workers, or leave prefetch_factor unset (prefetch= sets how many batches "
-                    "the loading thread keeps ready)"
-                )
-        _check_int("prefetch", prefetch, minimum=0)
-        _check_int("world_size", world_size, minimum=1)
-        _check_int("rank", rank, minimum=0)
-        if shuffle_buffer is not None:
-            _check_int("shuffle_buffer", shuffle_buffer, minimum=1)
-        if rank >= world_size:
-            raise ValueError(f"Loader: rank must be < world_size={world_size}, got rank={rank}")
-        if key is not None and not random.is_key(key):
-            raise TypeError(
-                f"Loader: key must be a functrain random key (CPU int64 tensor of shape (2,)), got "
-                f"{type(key).__name__}; make one with functrain.random.key(seed)"
-            )
+        _check_options(num_workers, prefetch_factor, prefetch, world_size, rank, shuffle_buffer, key)
         self.device = torch.device(device) if device is not None else None
         self.prefetch = prefetch
         self.pad_last = bool(pad_last)
@@ -170,34 +151,8 @@ class Loader:
             self._source = DataLoaderSource(data)
             return
 
-        if pin_memory and not torch.cuda.is_available():
-            warnings.warn(
-                "Loader: pin_memory=True has no effect without CUDA; it is ignored", UserWarning, stacklevel=2
-            )
-            pin_memory = False
-        if batch_size is None:
-            raise ValueError(
-                "Loader: batch_size is required for a dataset (only a DataLoader brings its own)"
-            )
-        _check_int("batch_size", batch_size, minimum=1)
         workers = WorkerOptions(num_workers, bool(persistent_workers), prefetch_factor, worker_init_fn)
-        if is_stream(data):
-            self._source = _stream_source(
-                data,
-                batch_size,
-                shuffle,
-                key,
-                drop_last,
-                collate_fn,
-                workers,
-                pin_memory,
-                world_size,
-                shuffle_buffer,
-            )
-            return
-
-        self._source = _map_source(
-            data,
+        options = _DatasetOptions(
             batch_size,
             shuffle,
             key,
@@ -209,6 +164,7 @@ class Loader:
             world_size,
             shuffle_buffer,
         )
+        self._source = _dataset_source(data, options)
 
     # ------------------------------------------------------------------------------------------ sizes
 
@@ -421,6 +377,69 @@ def _check_int(name: str, value: Any, *, minimum: int) -> None:
         raise ValueError(f"Loader: {name} must be an int >= {minimum}, got {value!r}")
 
 
+def _check_options(
+    num_workers: Any,
+    prefetch_factor: Any,
+    prefetch: Any,
+    world_size: Any,
+    rank: Any,
+    shuffle_buffer: Any,
+    key: Any,
+) -> None:
+    """Refuse the Loader options that are wrong whatever the data (counts, the rank, the key)."""
+    _check_int("num_workers", num_workers, minimum=0)
+    if prefetch_factor is not None:
+        _check_int("prefetch_factor", prefetch_factor, minimum=1)
+        if num_workers == 0:
+            raise ValueError(
+                f"Loader: prefetch_factor={prefetch_factor} needs worker processes (num_workers > 0); "
+                "set num_workers, or leave prefetch_factor unset (prefetch= sets how many batches "
+                "the loading thread keeps ready)"
+            )
+    _check_int("prefetch", prefetch, minimum=0)
+    _check_int("world_size", world_size, minimum=1)
+    _check_int("rank", rank, minimum=0)
+    if shuffle_buffer is not None:
+        _check_int("shuffle_buffer", shuffle_buffer, minimum=1)
+    if rank >= world_size:
+        raise ValueError(f"Loader: rank must be < world_size={world_size}, got rank={rank}")
+    if key is not None and not random.is_key(key):
+        raise TypeError(
+            f"Loader: key must be a functrain random key (CPU int64 tensor of shape (2,)), got "
+            f"{type(key).__name__}; make one with functrain.random.key(seed)"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _DatasetOptions:
+    """The Loader's options for a dataset (not a DataLoader), as given: what its source is built from."""
+
+    batch_size: int | None
+    shuffle: bool | None
+    key: torch.Tensor | None
+    drop_last: bool
+    collate_fn: Callable[[list[Any]], Any] | None
+    workers: WorkerOptions
+    pin_memory: bool
+    rank: int
+    world_size: int
+    shuffle_buffer: int | None
+
+
+def _dataset_source(data: Any, options: _DatasetOptions) -> MapSource | IterableSource:
+    """A dataset's source (not a DataLoader's): a stream's (:func:`_stream_source`) or a map-style
+    dataset's (:func:`_map_source`), each batch of ``batch_size`` examples."""
+    if options.pin_memory and not torch.cuda.is_available():
+        warnings.warn(
+            "Loader: pin_memory=True has no effect without CUDA; it is ignored", UserWarning, stacklevel=3
+        )
+        options = dataclasses.replace(options, pin_memory=False)
+    if options.batch_size is None:
+        raise ValueError("Loader: batch_size is required for a dataset (only a DataLoader brings its own)")
+    _check_int("batch_size", options.batch_size, minimum=1)
+    return _stream_source(data, options) if is_stream(data) else _map_source(data, options)
+
+
 def _refuse_options_beside_a_dataloader(given: dict[str, bool]) -> None:
     """A DataLoader is used as it is: refuse the Loader options that would be ignored, naming them."""
     if any(given.values()):
@@ -431,70 +450,48 @@ def _refuse_options_beside_a_dataloader(given: dict[str, bool]) -> None:
         )
 
 
-def _stream_source(
-    data: Any,
-    batch_size: int,
-    shuffle: bool | None,
-    key: torch.Tensor | None,
-    drop_last: bool,
-    collate_fn: Callable[[list[Any]], Any] | None,
-    workers: WorkerOptions,
-    pin_memory: bool,
-    world_size: int,
-    shuffle_buffer: int | None,
-) -> IterableSource:
+def _stream_source(data: Any, options: _DatasetOptions) -> IterableSource:
     """An iterable dataset's source, read in its own order or through a seeded shuffle buffer."""
-    if shuffle and not shuffle_buffer:
+    shuffle = options.shuffle
+    if shuffle and not options.shuffle_buffer:
         raise ValueError(
             f"Loader: shuffle=True on a stream ({type(data).__name__}: an iterable dataset, read in "
             "its own order) needs shuffle_buffer=N, a buffer of N examples shuffled by key and "
             "epoch (TrainerConfig.shuffle_buffer_size); or pass shuffle=False"
         )
-    if shuffle and key is None:
+    if shuffle and options.key is None:
         raise ValueError("Loader: a shuffle buffer needs key= (e.g. functrain.random.key(0))")
-    if world_size != 1:
+    if options.world_size != 1:
         raise ValueError(
             "Loader: an iterable dataset cannot be sharded by Loader (world_size > 1); have the "
             "dataset yield only this rank's examples and pass world_size=1"
         )
     return IterableSource(
         data,
-        batch_size,
-        drop_last=drop_last,
-        collate_fn=collate_fn,
-        workers=workers,
-        pin_memory=pin_memory,
-        key=key,
-        shuffle_buffer=shuffle_buffer if shuffle else None,
+        options.batch_size,
+        drop_last=options.drop_last,
+        collate_fn=options.collate_fn,
+        workers=options.workers,
+        pin_memory=options.pin_memory,
+        key=options.key,
+        shuffle_buffer=options.shuffle_buffer if shuffle else None,
     )
 
 
-def _map_source(
-    data: Any,
-    batch_size: int,
-    shuffle: bool | None,
-    key: torch.Tensor | None,
-    drop_last: bool,
-    collate_fn: Callable[[list[Any]], Any] | None,
-    workers: WorkerOptions,
-    pin_memory: bool,
-    rank: int,
-    world_size: int,
-    shuffle_buffer: int | None,
-) -> MapSource:
+def _map_source(data: Any, options: _DatasetOptions) -> MapSource:
     """A map-style dataset's source, permuted whole every epoch by ``key`` unless ``shuffle=False``."""
     if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
         raise TypeError(
             f"Loader: data must be a map-style dataset (__len__ and __getitem__), an IterableDataset or "
             f"a DataLoader, got {type(data).__name__}"
         )
-    if shuffle_buffer is not None:
+    if options.shuffle_buffer is not None:
         raise ValueError(
             "Loader: shuffle_buffer is for streams (iterable datasets); a map-style dataset is permuted "
             "whole every epoch (shuffle=True)"
         )
-    shuffle = True if shuffle is None else shuffle
-    if shuffle and key is None:
+    shuffle = True if options.shuffle is None else options.shuffle
+    if shuffle and options.key is None:
         raise ValueError(
             "Loader: shuffle=True needs key= (e.g. functrain.random.key(0), or a key split from the "
             "train state's rng) so that every epoch's order can be recomputed on resume; "
@@ -502,13 +499,13 @@ def _map_source(
         )
     return MapSource(
         data,
-        batch_size,
+        options.batch_size,
         shuffle=shuffle,
-        key=key,
-        drop_last=drop_last,
-        collate_fn=collate_fn,
-        workers=workers,
-        pin_memory=pin_memory,
-        rank=rank,
-        world_size=world_size,
+        key=options.key,
+        drop_last=options.drop_last,
+        collate_fn=options.collate_fn,
+        workers=options.workers,
+        pin_memory=options.pin_memory,
+        rank=options.rank,
+        world_size=options.world_size,
     )

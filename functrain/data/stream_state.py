@@ -46,6 +46,7 @@ def is_stateful(obj: Any) -> bool:
     """Whether ``obj`` saves and restores its own position (``state_dict()`` and ``load_state_dict()``).
 
     Example:
+        >>> import torch
         >>> is_stateful([1, 2]), is_stateful(torch.optim.SGD([torch.zeros(1, requires_grad=True)], 0.1))
         (False, True)
     """

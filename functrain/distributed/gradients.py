@@ -183,7 +183,12 @@ def gradient_reducer(
     """The data-parallel hook for ``make_train_step(..., gradient_reducer=...)`` (see :class:`GradientReducer`).
 
     Example:
-        >>> env = initialize()  # doctest: +SKIP
-        >>> step = ft.jit(ft.make_train_step(model, loss_fn, gradient_reducer=gradient_reducer(model=model)))
+        >>> import torch, functrain as ft
+        >>> env = initialize()  # under torchrun, before the reducer is made  # doctest: +SKIP
+        >>> model = torch.nn.Linear(4, 2)
+        >>> loss_fn = ft.supervised_loss(torch.nn.functional.cross_entropy)
+        >>> step = ft.make_train_step(model, loss_fn, gradient_reducer=gradient_reducer(model=model))
+        >>> step.gradient_reducer  # one process here: a world of one
+        GradientReducer(world_size=1, buffers='mean')
     """
     return GradientReducer(buffers=buffers, model=model, group=group)

@@ -38,7 +38,7 @@ def all_reduce_tree(values: Any, reductions: Any) -> Any:
 
     Example:
         >>> all_reduce_tree({"total": torch.tensor(3.0), "peak": torch.tensor(7)}, {"total": "sum", "peak": "max"})
-        {'peak': tensor(7), 'total': tensor(3.)}
+        {'total': tensor(3.), 'peak': tensor(7)}
     """
     leaves, spec = tree.flatten(values)
     if isinstance(reductions, str):
@@ -75,6 +75,7 @@ def all_reduce_metric_state(metric: Any, state: Any) -> Any:
     """A metric (or ``Collection``) state merged across ranks with the metric's ``reductions()``.
 
     Example:
+        >>> from functrain import metrics
         >>> acc = metrics.Accuracy()
         >>> merged = all_reduce_metric_state(acc, acc.empty())
     """

@@ -43,8 +43,12 @@ def replicate(state: Any, *, src: int = 0, device: str | torch.device | None = N
     Call it once after creating (or restoring) the state, before training; every rank must call it.
 
     Example:
-        >>> env = distributed.initialize()  # doctest: +SKIP
-        >>> state = distributed.replicate(ft.TrainState.create(model, tx, seed=0), device=env.device)
+        >>> import torch, functrain as ft
+        >>> from functrain import distributed
+        >>> env = distributed.initialize()  # under torchrun  # doctest: +SKIP
+        >>> state = ft.TrainState.create(torch.nn.Linear(2, 1), ft.optim.sgd(0.1), seed=0)
+        >>> replicate(state) is state  # one process: nothing to copy (under torchrun: device=env.device)
+        True
     """
     if device is not None:
         state = (

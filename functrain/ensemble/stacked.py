@@ -153,6 +153,7 @@ def create(
         device, dtype, loss_scale, metrics: as :meth:`TrainState.create`, for each member.
 
     Example:
+        >>> import functrain as ft
         >>> state = create(torch.nn.Linear(4, 2), ft.optim.sgd(0.1), n=8)
         >>> state.step.shape, state.rng.shape
         (torch.Size([8]), torch.Size([8, 2]))
@@ -213,6 +214,7 @@ def stack(states: Sequence[Any]) -> Any:
     """Stack states of the same structure into one ensemble state (the inverse of :func:`members`).
 
     Example:
+        >>> import functrain as ft
         >>> a = ft.TrainState.create(torch.nn.Linear(2, 1), tx := ft.optim.sgd(0.1), seed=0)
         >>> b = ft.TrainState.create(torch.nn.Linear(2, 1), tx, seed=1)
         >>> stack([a, b]).params["weight"].shape
@@ -231,6 +233,7 @@ def member(state: Any, i: int) -> Any:
     """Member ``i`` of a stacked state as an ordinary state (own memory: checkpointable, ``state_dict()``-able).
 
     Example:
+        >>> import functrain as ft
         >>> state = create(torch.nn.Linear(2, 1), ft.optim.sgd(0.1), n=3)
         >>> member(state, 2).step.shape
         torch.Size([])

@@ -138,7 +138,14 @@ def step(train_step: Callable[[Any, Any], Any], *, batch_axis: int | None = None
             carry a member axis there (one batch per member).
 
     Example:
-        >>> ens_step = ft.jit(step(ft.make_train_step(model, loss)))
+        >>> import functrain as ft
+        >>> model = torch.nn.Linear(4, 3)
+        >>> loss = ft.supervised_loss(torch.nn.functional.cross_entropy)
+        >>> ens_step = ft.jit(step(ft.make_train_step(model, loss)), compile=False)
+        >>> state = ft.ensemble.create(model, ft.optim.sgd(0.1), n=2)
+        >>> state, metrics = ens_step(state, (torch.randn(8, 4), torch.randint(0, 3, (8,))))
+        >>> state.step.tolist(), metrics["loss"].shape  # each member took a step on the same batch
+        ([1, 1], torch.Size([2]))
     """
     inner = as_step(train_step)
     if inner.gradient_reducer is not None:
@@ -164,7 +171,13 @@ def eval_step(eval_fn: Callable[[Any, Any], Any], *, batch_axis: int | None = No
     metric states, ``num_examples`` an int as before; :func:`functrain.evaluate` reports each member.
 
     Example:
-        >>> ens_eval = ft.jit(eval_step(ft.make_eval_step(model, loss)))
+        >>> import functrain as ft
+        >>> model = torch.nn.Linear(4, 3)
+        >>> loss = ft.supervised_loss(torch.nn.functional.cross_entropy)
+        >>> ens_eval = ft.jit(eval_step(ft.make_eval_step(model, loss)), compile=False)
+        >>> state = ft.ensemble.create(model, ft.optim.sgd(0.1), n=2)
+        >>> ens_eval(state, (torch.randn(8, 4), torch.randint(0, 3, (8,))))["loss"].shape
+        torch.Size([2])
     """
     inner = as_step(eval_fn)
     mapped = vmap_members(inner.fn, batch_axis=batch_axis)
@@ -182,6 +195,7 @@ def predict_step(predict_fn: Callable[[Any, Any], Any], *, batch_axis: int | Non
     batches) and their mean over members (``[batch, ...]``, the ensemble's prediction).
 
     Example:
+        >>> import functrain as ft
         >>> model = torch.nn.Linear(4, 3)
         >>> state = ft.ensemble.create(model, ft.optim.sgd(0.1), n=4)
         >>> ens_predict = predict_step(ft.make_predict_step(model))

@@ -1,8 +1,17 @@
 """``evaluate`` and ``predict``: a step over a whole data set, beside ``fit``.
 
 Example:
-    >>> metrics = ft.evaluate(state, ft.jit(ft.make_eval_step(model, loss_fn)), eval_data, batch_size=64)
-    >>> outputs = ft.predict(state, ft.make_predict_step(model), inputs, batch_size=32, collect=True)
+    >>> import torch, functrain as ft
+    >>> model = torch.nn.Linear(4, 3)
+    >>> state = ft.TrainState.create(model, ft.optim.sgd(0.1))
+    >>> loss_fn = ft.supervised_loss(torch.nn.functional.cross_entropy)
+    >>> data = [(torch.randn(4), torch.tensor(i % 3)) for i in range(10)]
+    >>> eval_step = ft.jit(ft.make_eval_step(model, loss_fn), compile=False)
+    >>> metrics = ft.evaluate(state, eval_step, data, batch_size=4)
+    >>> inputs = [x for x, _ in data]
+    >>> outputs = ft.predict(state, ft.make_predict_step(model), inputs, batch_size=4, collect=True)
+    >>> sorted(metrics), outputs.shape  # 10 rows: the short last batch's padding is dropped
+    (['eval/loss'], torch.Size([10, 3]))
 """
 
 from __future__ import annotations
@@ -43,9 +52,15 @@ def evaluate(
     with a mask of its real rows (:mod:`functrain.data.padding`): the step compiles once.
 
     Example:
-        >>> metrics = ft.evaluate(state, ft.jit(ft.make_eval_step(model, loss_fn)), eval_data, batch_size=64)
-        >>> sorted(metrics)
-        ['eval/loss']
+        >>> import functrain as ft
+        >>> model = torch.nn.Linear(4, 3)
+        >>> state = ft.TrainState.create(model, ft.optim.sgd(0.1))
+        >>> eval_step = ft.make_eval_step(model, ft.supervised_loss(torch.nn.functional.cross_entropy))
+        >>> x, y = torch.randn(10, 4), torch.randint(0, 3, (10,))
+        >>> metrics = ft.evaluate(state, eval_step, list(zip(x, y)), batch_size=4)  # batches of 4, 4, 2
+        >>> whole = torch.nn.functional.cross_entropy(model(x), y)  # the loss over the whole set at once
+        >>> sorted(metrics), abs(metrics["eval/loss"] - whole.item()) < 1e-6
+        (['eval/loss'], True)
     """
     ranks = data_ranks(state)  # tensor parallelism: a slice per tp group, counted by its first rank
     loader = as_loader(
@@ -122,7 +137,13 @@ def predict(
     A short last batch runs padded to the batch size (one compile); its outputs keep the real rows only.
 
     Example:
-        >>> outputs = ft.predict(state, ft.make_predict_step(model), inputs, batch_size=32, collect=True)
+        >>> import functrain as ft
+        >>> model = torch.nn.Linear(4, 3)
+        >>> state = ft.TrainState.create(model, ft.optim.sgd(0.1))
+        >>> inputs = list(torch.randn(10, 4))
+        >>> outputs = ft.predict(state, ft.make_predict_step(model), inputs, batch_size=4, collect=True)
+        >>> outputs.shape, torch.allclose(outputs, model(torch.stack(inputs)))
+        (torch.Size([10, 3]), True)
     """
     loader = as_loader(data, batch_size, random.key(0), "predict", shuffle=False, device=batch_device(state))
 

@@ -97,9 +97,22 @@ def fit(
         :class:`FitResult` with the final state, the history and the last evaluation.
 
     Example:
-        >>> result = ft.fit(state, train_step, train_set, batch_size=32, epochs=3,
-        ...                 eval_step=eval_step, eval_data=val_set, checkpoints="runs/ckpt",
-        ...                 resume_from_checkpoint=True)
+        >>> import tempfile, torch, functrain as ft
+        >>> model = torch.nn.Linear(4, 2)
+        >>> data = [(torch.randn(4), torch.tensor(i % 2)) for i in range(64)]
+        >>> state = ft.TrainState.create(model, ft.optim.sgd(0.1))
+        >>> loss_fn = ft.supervised_loss(torch.nn.functional.cross_entropy)
+        >>> train_step = ft.jit(ft.make_train_step(model, loss_fn), compile=False)
+        >>> eval_step = ft.jit(ft.make_eval_step(model, loss_fn), compile=False)
+        >>> run_dir = tempfile.TemporaryDirectory()
+        >>> run = dict(batch_size=16, eval_step=eval_step, eval_data=data[:32], progress_bar=False,
+        ...            checkpoints=run_dir.name, resume_from_checkpoint=True)
+        >>> result = ft.fit(state, train_step, data, epochs=2, **run)
+        >>> int(result.state.step), sorted(result.eval_metrics)
+        (8, ['eval/loss'])
+        >>> int(ft.fit(state, train_step, data, epochs=3, **run).state.step)  # resumed at step 8
+        12
+        >>> run_dir.cleanup()
     """
     options = FitOptions(
         RunLength(epochs, max_steps, additional_epochs, additional_steps),
@@ -119,6 +132,12 @@ def fit(
         check_batches=check_batches,
     )
     run, state = Run.start(state, train_step, train_data, options)  # checked, resumed; train_begin fired
+    return _loop(run, state, train_step, save_final)
+
+
+def _loop(run: Run, state: Any, train_step: Callable[..., Any], save_final: bool) -> FitResult:
+    """The loop itself: each batch, the step, and ``run`` before and after it, until the data or the run
+    ends; then the final save. The run is closed whatever happens."""
     try:
         for batch in run.batches():
             state = run.before_step(state, batch)  # epoch_begin, step_begin

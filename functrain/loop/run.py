@@ -178,9 +178,17 @@ class Run:
         this call's length resolved, ``train_begin`` fired (and ``checkpoint_restored`` after a resume).
 
         Example:
-            >>> run, state = Run.start(state, train_step, data, FitOptions(RunLength(epochs=1), batch_size=8))
+            >>> import torch, functrain as ft
+            >>> from functrain.loop import RunLength
+            >>> model = torch.nn.Linear(4, 2)
+            >>> state = ft.TrainState.create(model, ft.optim.sgd(0.1))
+            >>> train_step = ft.make_train_step(model, ft.supervised_loss(torch.nn.functional.cross_entropy))
+            >>> data = [(torch.randn(4), torch.tensor(i % 2)) for i in range(16)]
+            >>> options = FitOptions(RunLength(epochs=1), batch_size=8, progress_bar=False)
+            >>> run, state = Run.start(state, train_step, data, options)
             >>> run.progress.step, run.progress.phase
             (0, <Phase.TRAINING: 'training'>)
+            >>> run.close()
         """
         services = Services.open(state, train_step, train_data, options)
         spec = as_step(train_step)

@@ -43,9 +43,13 @@ class Step:
             ``evaluate`` and ``predict`` pad a short last batch to the compiled batch size.
 
     Example:
-        >>> step = ft.make_train_step(torch.nn.Linear(4, 3), ft.supervised_loss(F.cross_entropy))
-        >>> step.kind, step.members
-        ('train', False)
+        >>> import torch, functrain as ft
+        >>> loss_fn = ft.supervised_loss(torch.nn.functional.cross_entropy)
+        >>> step = ft.make_train_step(torch.nn.Linear(4, 3), loss_fn)
+        >>> step.kind, step.members, step.masked_batches
+        ('train', False, True)
+        >>> step.replace(masked_batches=False).masked_batches  # a new step; ``step`` is unchanged
+        False
         >>> Step(lambda state, batch: (state, {})).kind
         'custom'
     """

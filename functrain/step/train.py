@@ -106,20 +106,65 @@ def make_train_step(
         passes) lets the optimizer write into the incoming state's tensors.
 
     Example:
-        >>> step = make_train_step(model, supervised_loss(torch.nn.functional.cross_entropy), accumulate=2)
+        >>> import torch, functrain as ft
+        >>> model = torch.nn.Linear(4, 3)
+        >>> state = ft.TrainState.create(model, ft.optim.sgd(0.1))
+        >>> loss_fn = ft.supervised_loss(torch.nn.functional.cross_entropy)
+        >>> batch = (torch.randn(8, 4), torch.randint(0, 3, (8,)))
+        >>> new_state, metrics = make_train_step(model, loss_fn, accumulate=2)(state, batch)
+        >>> int(new_state.step), sorted(metrics)
+        (1, ['grad_norm', 'loss'])
+        >>> whole, _ = make_train_step(model, loss_fn)(state, batch)  # two micro-batches: the same update
+        >>> torch.allclose(new_state.params["weight"], whole.params["weight"])
+        True
     """
+    _check_arguments(accumulate, strategy, sharding, gradient_reducer)
+    cast = autocast_dtype(precision)
+    bind = model_call(model)
+    strategy = strategy or _strategy(model, sharding, gradient_reducer, cast)
+    parts = _train_parts(
+        model,
+        loss_fn,
+        bind,
+        cast,
+        strategy,
+        accumulate=accumulate,
+        metrics=metrics,
+        freeze_batchnorm=freeze_batchnorm,
+        per_example=per_example,
+        sam_rho=sam_rho,
+    )
+    return _as_step(parts, model, sharding)
+
+
+def _check_arguments(accumulate: Any, strategy: Any, sharding: Any, gradient_reducer: Any) -> None:
+    """Refuse :func:`make_train_step` arguments that cannot go together, before anything is built."""
     if not isinstance(accumulate, int) or accumulate < 1:
         raise ValueError(f"accumulate must be a positive int, got {accumulate!r}")
     if strategy is not None and (sharding is not None or gradient_reducer is not None):
         raise ValueError("make_train_step: pass strategy=, or sharding= / gradient_reducer=, not both")
-    cast = autocast_dtype(precision)
-    bind = model_call(model)
-    strategy = strategy or _strategy(model, sharding, gradient_reducer, cast)
+
+
+def _train_parts(
+    model: nn.Module | ApplyFn,
+    loss_fn: LossFn,
+    bind: Callable[[dict, dict], Callable[..., Any]],
+    cast: torch.dtype | None,
+    strategy: Replicated,
+    *,
+    accumulate: int,
+    metrics: Any,
+    freeze_batchnorm: bool,
+    per_example: bool | int,
+    sam_rho: float | None,
+) -> _TrainParts:
+    """What the step's stages read, resolved from :func:`make_train_step`'s arguments (and checked: a
+    per-example gradient and SAM refuse what they cannot run with)."""
     if per_example:
         check_per_example(
             model, accumulate=accumulate, freeze_batchnorm=freeze_batchnorm, parallel=_parallel(strategy)
         )
-    parts = _TrainParts(
+    return _TrainParts(
         loss_fn=loss_fn,
         accumulate=accumulate,
         cast=cast,
@@ -135,6 +180,11 @@ def make_train_step(
         per_example=bool(per_example),
     )
 
+
+def _as_step(parts: _TrainParts, model: nn.Module | ApplyFn, sharding: Any) -> Step:
+    """The train step as a :class:`Step`: its function over ``parts`` and the fields ``jit`` and ``fit``
+    read."""
+
     def settle(state: Any, batch: Batch) -> None:
         _settle(parts, state, batch)
 
@@ -145,9 +195,9 @@ def make_train_step(
         train_step,
         kind="train",
         model=model,
-        metrics=metrics,
+        metrics=parts.metrics,
         # a sharded step reduces over its ranks too (what fit checks before it trains on several processes)
-        gradient_reducer=strategy.reducer,
+        gradient_reducer=parts.strategy.reducer,
         settle=settle if isinstance(model, nn.Module) else None,
         sharding=sharding,
         masked_batches=True,

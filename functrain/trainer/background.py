@@ -9,7 +9,7 @@ the run goes on eagerly (``compile: auto``). Whether to start one is ``compile_b
 cores are idle (:func:`functrain.compile.background.idle_cores`), or forced on or off.
 
 Example:
-    >>> build = background_build(trainer)  # doctest: +SKIP  (None: not wanted, or not rebuildable)
+    >>> build = background_build(trainer)  # None: not wanted, or not rebuildable  # doctest: +SKIP
 """
 
 from __future__ import annotations

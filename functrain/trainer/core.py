@@ -17,12 +17,18 @@ Trainer's own ``compute_loss`` forward, not the override's; evaluation: the over
 its batches come unpadded.
 
 Example:
-    >>> import torch, functrain as ft
-    >>> model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
-    >>> config = ft.TrainerConfig(output_dir="runs/digits", epochs=3, metrics=["accuracy"], compile=False)
-    >>> trainer = ft.Trainer(model, config, train_dataset=train_set, eval_dataset=val_set)
-    >>> result = trainer.train()
-    >>> trainer.evaluate(test_set)["eval/accuracy"]
+    >>> import tempfile, torch, functrain as ft
+    >>> run_dir = tempfile.TemporaryDirectory()
+    >>> model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 3))
+    >>> data = [(torch.randn(1, 4, 4), torch.tensor(i % 3)) for i in range(48)]
+    >>> config = ft.TrainerConfig(output_dir=run_dir.name, epochs=2, batch_size=8, metrics=["accuracy"],
+    ...                           compile=False, progress_bar=False, print_summary=False)
+    >>> trainer = ft.Trainer(model, config, train_dataset=data[:32], eval_dataset=data[32:40])
+    >>> int(trainer.train().state.step)  # 2 epochs of 4 batches
+    8
+    >>> sorted(trainer.evaluate(data[40:]))
+    ['eval/accuracy', 'eval/loss']
+    >>> run_dir.cleanup()
 """
 
 from __future__ import annotations
@@ -75,8 +81,14 @@ class Trainer:
         callbacks: extra :class:`functrain.callbacks.Callback` objects for this trainer's runs.
 
     Example:
-        >>> trainer = Trainer(model, {"output_dir": "runs/a", "epochs": 2, "compile": False}, train_set)
-        >>> trainer.train().state.step
+        >>> import tempfile
+        >>> run_dir = tempfile.TemporaryDirectory()
+        >>> train_set = [(torch.randn(4), torch.tensor(i % 2)) for i in range(32)]
+        >>> config = {"output_dir": run_dir.name, "epochs": 2, "batch_size": 8, "compile": False,
+        ...           "progress_bar": False, "print_summary": False}
+        >>> int(Trainer(torch.nn.Linear(4, 2), config, train_set).train().state.step)
+        8
+        >>> run_dir.cleanup()
     """
 
     def __init__(
@@ -191,8 +203,17 @@ class Trainer:
         step instead, past an early stop too (the learning-rate schedule keeps its configured horizon).
 
         Example:
-            >>> trainer.train()  # epochs=10
-            >>> trainer.train(additional_epochs=5)  # 5 more, with resume_from_checkpoint: true
+            >>> import tempfile
+            >>> run_dir = tempfile.TemporaryDirectory()
+            >>> data = [(torch.randn(4), torch.tensor(i % 2)) for i in range(32)]
+            >>> config = TrainerConfig(output_dir=run_dir.name, epochs=2, batch_size=8, compile=False,
+            ...                        progress_bar=False, print_summary=False, resume_from_checkpoint=True)
+            >>> trainer = Trainer(torch.nn.Linear(4, 2), config, data)
+            >>> int(trainer.train().state.step)  # epochs=2: 2 x 4 steps
+            8
+            >>> int(trainer.train(additional_epochs=1).state.step)  # one more, resumed from step 8
+            12
+            >>> run_dir.cleanup()
         """
         cfg = self.config
         if self.train_dataset is None:
@@ -249,8 +270,14 @@ class Trainer:
         """Evaluate the current state on ``dataset`` (default: the eval dataset); example-weighted metrics.
 
         Example:
-            >>> trainer.evaluate(test_set)
-            {'eval/loss': 0.08, 'eval/accuracy': 0.977}
+            >>> import tempfile
+            >>> run_dir = tempfile.TemporaryDirectory()
+            >>> data = [(torch.randn(4), torch.tensor(i % 2)) for i in range(32)]
+            >>> config = {"output_dir": run_dir.name, "epochs": 1, "metrics": ["accuracy"], "compile": False}
+            >>> trainer = Trainer(torch.nn.Linear(4, 2), config, data[:24], data[24:])
+            >>> sorted(trainer.evaluate())  # the state as it is (untrained), on the eval dataset
+            ['eval/accuracy', 'eval/loss']
+            >>> run_dir.cleanup()
         """
         dataset = dataset if dataset is not None else self.eval_dataset
         if dataset is None:
@@ -305,8 +332,17 @@ class Trainer:
         ``metric_for_best_model`` (the training loss when nothing is evaluated).
 
         Example:
-            >>> trainer = Trainer(model, TrainerConfig(epochs=3, sweep={"optimizer.lr": [1e-3, 3e-3]}), train, val)
-            >>> trainer.train(); best = trainer.best_member()
+            >>> import tempfile
+            >>> run_dir = tempfile.TemporaryDirectory()
+            >>> data = [(torch.randn(4), torch.tensor(i % 2)) for i in range(32)]
+            >>> config = TrainerConfig(output_dir=run_dir.name, epochs=1, batch_size=8, compile=False,
+            ...                        progress_bar=False, print_summary=False,
+            ...                        sweep={"optimizer.lr": [1e-3, 3e-3]})
+            >>> trainer = Trainer(torch.nn.Linear(4, 2), config, data[:24], data[24:])
+            >>> result = trainer.train()  # both learning rates at once, as one stacked state
+            >>> trainer.best_member().params["weight"].shape  # the winner's state, one model's shapes
+            torch.Size([2, 4])
+            >>> run_dir.cleanup()
         """
         if not self.config.sweep:
             raise ValueError("Trainer.best_member: this run is not a sweep (set config.sweep)")

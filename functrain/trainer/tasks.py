@@ -6,8 +6,17 @@ torch's global generator, which :func:`functrain.jit` seeds from the state befor
 augmented runs are reproducible and resume exactly.
 
 Example:
-    >>> trainer = ImageClassificationTrainer(model, config, train_set, val_set,
+    >>> import tempfile
+    >>> run_dir = tempfile.TemporaryDirectory()
+    >>> model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 3))
+    >>> images = [(torch.rand(1, 8, 8), torch.tensor(i % 3)) for i in range(32)]
+    >>> config = {"output_dir": run_dir.name, "epochs": 1, "batch_size": 8, "compile": False,
+    ...           "progress_bar": False, "print_summary": False}
+    >>> trainer = ImageClassificationTrainer(model, config, images[:24], images[24:],
     ...                                      mean=(0.5,), std=(0.25,), augmentations=("hflip", "translate"))
+    >>> int(trainer.train().state.step)
+    3
+    >>> run_dir.cleanup()
 """
 
 from __future__ import annotations
@@ -100,8 +109,16 @@ class ImageClassificationTrainer(_ImageTask):
     default, per-channel normalisation and ``hflip``/``translate`` augmentation inside the step.
 
     Example:
-        >>> trainer = ImageClassificationTrainer(model, {"output_dir": "runs/c", "epochs": 5,
-        ...     "metrics": ["accuracy"]}, train_set, val_set, augmentations=("translate",))
+        >>> import tempfile
+        >>> run_dir = tempfile.TemporaryDirectory()
+        >>> model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 3))
+        >>> images = [(torch.rand(1, 8, 8), torch.tensor(i % 3)) for i in range(32)]
+        >>> trainer = ImageClassificationTrainer(model, {"output_dir": run_dir.name, "epochs": 1,
+        ...     "batch_size": 8, "metrics": ["accuracy"], "compile": False, "progress_bar": False,
+        ...     "print_summary": False}, images[:24], images[24:], augmentations=("translate",))
+        >>> sorted(trainer.train().eval_metrics)
+        ['eval/accuracy', 'eval/loss']
+        >>> run_dir.cleanup()
     """
 
     def preprocess(self, batch: Any) -> Any:
@@ -124,9 +141,17 @@ class SegmentationTrainer(_ImageTask):
     flips image and mask together.
 
     Example:
-        >>> trainer = SegmentationTrainer(unet, {"output_dir": "runs/s", "epochs": 5, "metrics": {
+        >>> import tempfile
+        >>> run_dir = tempfile.TemporaryDirectory()
+        >>> unet = torch.nn.Conv2d(1, 3, 3, padding=1)  # logits [N, 3, H, W]
+        >>> pairs = [(torch.rand(1, 8, 8), torch.randint(0, 3, (8, 8))) for _ in range(32)]
+        >>> trainer = SegmentationTrainer(unet, {"output_dir": run_dir.name, "epochs": 1, "batch_size": 8,
+        ...     "compile": False, "progress_bar": False, "print_summary": False, "metrics": {
         ...     "Accuracy": {"task": "multiclass", "num_classes": 3},
-        ...     "JaccardIndex": {"task": "multiclass", "num_classes": 3}}}, train_set, val_set)
+        ...     "JaccardIndex": {"task": "multiclass", "num_classes": 3}}}, pairs[:24], pairs[24:])
+        >>> sorted(trainer.train().eval_metrics)
+        ['eval/Accuracy', 'eval/JaccardIndex', 'eval/loss']
+        >>> run_dir.cleanup()
     """
 
     supported_augmentations = ("hflip",)  # translate would have to move the masks too
