@@ -3,7 +3,7 @@
 
 One torchrun launch of ``tp_plain_worker.py`` (4 gloo ranks, float64): colwise, rowwise and embedding
 (colwise and rowwise) splits, a weight tied to the head, a buffer, on the tp axis alone and on dp 2 x tp 2 at
-every ZeRO level with 2 micro-batches; each case 3 AdamW steps on the plain path and again with the plain
+every ZeRO level with 2 micro-batches, bf16 compute at ZeRO-3; each case 3 AdamW steps on the plain path and again with the plain
 path refused, compared bitwise, and against one process.
 """
 
@@ -25,14 +25,15 @@ def plain(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 def test_the_eager_tp_step_takes_plain_autograd_bitwise_as_torch_func(plain: list[dict]) -> None:
     for out in plain:
         cases = [k for k in out if k.startswith(("tp/", "dp2xtp2/"))]
-        assert len(cases) == 8, cases
+        assert len(cases) == 9, cases
         for key in cases:
             case = out[key]
             # every micro-batch's gradient by plain autograd; the transform once, the first call's check
             assert case["paths"] == {"plain": case["calls"], "transformed": 1}, (key, case)
             assert case["func_paths"] == {"plain": 0, "transformed": case["calls"]}, (key, case)
             assert case["state"] and case["metrics"], (key, case)  # params, moments, buffers, metrics
-            assert case["one_process"] <= TOL, (key, case)
+            if key != "dp2xtp2/params/bf16":  # bf16 compute rounds: bitwise torch.func's is the check
+                assert case["one_process"] <= TOL, (key, case)
 
 
 def test_a_gradient_of_dtensor_params_is_torch_funcs_bitwise_placements_included(plain: list[dict]) -> None:

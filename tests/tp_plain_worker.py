@@ -5,7 +5,8 @@ ranks, float64), the job ``test_tensor_parallel_plain.py`` launches.
 
 Every layout of ``functrain.distributed.tensor_parallel``: ``tp_worker``'s GPT (colwise q, k, v, fc;
 rowwise projections) on the tp axis alone and on dp 2 x tp 2 at every ZeRO level (2 micro-batches), and a
-model whose embedding is split colwise or rowwise and tied to its head, reading a buffer. Each case runs 3
+model whose embedding is split colwise or rowwise and tied to its head, reading a buffer; and bf16 compute
+with float32 params at ZeRO-3. Each case runs 3
 AdamW steps twice from the same placed state: as the step runs eagerly (plain autograd, counted), and with
 ``plain_autograd_applies`` patched to refuse (``torch.func.grad_and_value`` at every call, as on main);
 plus one gradient of the placed params by ``loss_and_grad`` on both paths, and the plain run against one
@@ -79,9 +80,9 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], dict, Any, Callable[[int], list
 }
 
 
-def _net(name: str) -> nn.Module:
+def _net(name: str, dtype: torch.dtype = torch.float64) -> nn.Module:
     torch.manual_seed(0)
-    return MODELS[name][0]().double()
+    return MODELS[name][0]().to(dtype)
 
 
 def _local(x: Any) -> Any:
@@ -128,22 +129,28 @@ class Paths:
         return out
 
 
-def train(paths: Paths, name: str, mesh: Any, level: Any, accumulate: int) -> dict[str, Any]:
-    """3 steps from the placed state; the state, the metrics and which paths ran."""
+def train(paths: Paths, name: str, mesh: Any, level: Any, accumulate: int, precision: Any) -> dict[str, Any]:
+    """3 steps from the placed state; the state, the metrics and which paths ran. bf16: float32 params."""
     _, plan, loss_fn, data = MODELS[name]
-    net = _net(name)
+    net = _net(name, torch.float32 if precision else torch.float64)
     paths.reset()  # what ran before (another case's one-process reference) is not this run's
     two_d = mesh.ndim == 2
     sharding = distributed.fully_shard(mesh["dp"], level=level) if level else None
     tp = distributed.tensor_parallel(net, plan, mesh, sharding=sharding)
     state = tp.place(ft.TrainState.create(net, adamw()))
-    step = ft.make_train_step(net, paths.loss(loss_fn), strategy=tp, accumulate=accumulate)
+    step = ft.make_train_step(
+        net, paths.loss(loss_fn), strategy=tp, accumulate=accumulate, precision=precision
+    )
     dp, dp_rank = (mesh["dp"].size(), mesh["dp"].get_local_rank()) if two_d else (1, 0)
     metrics = []
     for batch in data(4 * dp):
         state, m = step(state, tuple(t.tensor_split(dp)[dp_rank] for t in batch))
         metrics.append(m)
     return {"state": state, "metrics": metrics, "whole": tp.gather(state), "paths": paths.reset()}
+
+
+def _one_process_diff(whole: ft.TrainState, ref: ft.TrainState) -> float:
+    return max(max_diff(whole.params, ref.params), max_diff(whole.opt_state, ref.opt_state))
 
 
 def one_process(name: str, rows: int) -> ft.TrainState:
@@ -190,17 +197,21 @@ def run(mesh2d: Any) -> dict[str, Any]:
     paths = Paths()
     tp_only = mesh2d["tp"]  # a 1-D tp mesh (both dp groups run the same job)
     cases = {
-        **{f"tp/{name}": (name, tp_only, None, 1) for name in MODELS},
-        **{f"dp2xtp2/{level}": ("gpt", mesh2d, level, 2) for level in (None, "optimizer", "grads", "params")},
-        "dp2xtp2/params/tied_rowwise": ("tied_rowwise", mesh2d, "params", 2),
+        **{f"tp/{name}": (name, tp_only, None, 1, None) for name in MODELS},
+        **{
+            f"dp2xtp2/{level}": ("gpt", mesh2d, level, 2, None)
+            for level in (None, "optimizer", "grads", "params")
+        },
+        "dp2xtp2/params/tied_rowwise": ("tied_rowwise", mesh2d, "params", 2, None),
+        "dp2xtp2/params/bf16": ("gpt", mesh2d, "params", 2, "bf16"),  # float32 masters, bf16 compute
     }
     out: dict[str, Any] = {}
-    for key, (name, mesh, level, accumulate) in cases.items():
-        plain = train(paths, name, mesh, level, accumulate)
+    for key, (name, mesh, level, accumulate, precision) in cases.items():
+        plain = train(paths, name, mesh, level, accumulate, precision)
         with torch_func_only:
-            func = train(paths, name, mesh, level, accumulate)
+            func = train(paths, name, mesh, level, accumulate, precision)
         dp = mesh.size(0) if mesh.ndim == 2 else 1
-        ref = one_process(name, 4 * dp)
+        ref = one_process(name, 4 * dp) if precision is None else None  # bf16: rounding, not parity
         out[key] = {
             "paths": plain["paths"],
             "func_paths": func["paths"],
@@ -210,9 +221,7 @@ def run(mesh2d: Any) -> dict[str, Any]:
                 (func["state"].params, func["state"].opt_state, func["state"].buffers),
             ),
             "metrics": _bitwise(plain["metrics"], func["metrics"]),
-            "one_process": max(
-                max_diff(plain["whole"].params, ref.params), max_diff(plain["whole"].opt_state, ref.opt_state)
-            ),
+            "one_process": None if ref is None else _one_process_diff(plain["whole"], ref),
         }
     out["applies"] = applies(tp_only)
     for name in MODELS:
