@@ -13,6 +13,9 @@ Each configuration is its own torchrun launch. Per rank (the worst rank shown):
 - ``step peak MB``: the resident memory's peak during the timed steps above the resident memory before
   them (``VmHWM`` reset through ``/proc/self/clear_refs``; CUDA: ``torch.cuda.max_memory_allocated``), as
   ``benchmarks/sharded.py`` measures it;
+- ``torch.func step peak``: the same of functrain's step with its gradient through ``torch.func`` at every
+  call (``plain_autograd_applies`` patched to refuse), as a DTensor state's eager step ran before it took
+  plain autograd;
 - ``samples/s``: global examples per second (eager; a loaded 2-core machine: compare within a run).
 
 functrain's ZeRO-3 under TP gathers the params outside the gradient (its peak holds every layer's tp part
@@ -32,6 +35,7 @@ import os
 import tempfile
 from collections.abc import Callable
 from fnmatch import fnmatch
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -243,6 +247,11 @@ def worker(args: argparse.Namespace) -> None:
         "step_peak_mb": peak,
         "samples_per_s": args.steps * BATCH * mesh["dp"].size() / seconds,
     }
+    if args.config != "torch":  # the same step with every gradient through torch.func (before 2026-11-27)
+        from functrain.step import grad as grad_module
+
+        with mock.patch.object(grad_module, "plain_autograd_applies", lambda params: False):
+            row["func_step_peak_mb"] = timed_steps(run, 1, args.steps, dist.barrier)[1]
     if args.activations:
         with tensor_parallel_forward(model):  # as the step (nothing for torch's model)
             row["backward_peak_mb"] = _peak_of(
@@ -292,8 +301,13 @@ def _activations(args: argparse.Namespace) -> None:
         )
     comms = [", ".join(f"{n} {k[5:]}" for k, n in c.items() if k.startswith("comm ")) for c in cols.values()]
     print("| collectives, forward + backward | | " + " | ".join(comms) + " |")
-    peaks = {"backward_peak_mb": "forward + backward (autograd)", "func_backward_peak_mb": "torch.func.grad"}
-    for key, label in (peaks | {"step_peak_mb": "step (as above)"}).items():
+    peaks = {
+        "backward_peak_mb": "forward + backward (autograd)",
+        "func_backward_peak_mb": "torch.func.grad",
+        "step_peak_mb": "step (as above)",
+        "func_step_peak_mb": "step, its gradient by torch.func",
+    }
+    for key, label in peaks.items():
         print(
             f"| {label} peak MB | | "
             + " | ".join(f"{c[key]:.1f}" if key in c else "-" for c in cols.values())
@@ -324,21 +338,21 @@ def main() -> None:
         for config in args.configs or CONFIGS:
             rows = _launch(config, args, out)
             if rows:  # the worst rank
-                results[config] = {
-                    k: max(r[k] for r in rows) for k in ("state_mb", "of_whole", "step_peak_mb")
-                }
+                keys = ("state_mb", "of_whole", "step_peak_mb", "func_step_peak_mb")
+                results[config] = {k: max(r[k] for r in rows) for k in keys if k in rows[0]}
                 results[config]["samples_per_s"] = rows[0]["samples_per_s"]
     dp = args.ranks // args.tp
     print(
         f"\ndp {dp} x tp {args.tp}, GPT d={D} x {LAYERS} layers, vocab {VOCAB}, seq {SEQ}, batch {BATCH}/dp rank, "
         f"float32, AdamW, eager (ideal state: 1/{args.ranks} = {1 / args.ranks:.3f} of whole):\n"
     )
-    print("| config | state MB/rank | of whole | step peak MB/rank | samples/s |")
-    print("|---|---:|---:|---:|---:|")
+    print("| config | state MB/rank | of whole | step peak MB/rank | torch.func step peak | samples/s |")
+    print("|---|---:|---:|---:|---:|---:|")
     for config, r in results.items():
+        func = f"{r['func_step_peak_mb']:.1f}" if "func_step_peak_mb" in r else "-"
         print(
             f"| {LABELS[config]} | {r['state_mb']:.2f} | {r['of_whole']:.3f} | {r['step_peak_mb']:.1f} | "
-            f"{r['samples_per_s']:.0f} |"
+            f"{func} | {r['samples_per_s']:.0f} |"
         )
 
 

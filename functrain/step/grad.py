@@ -5,20 +5,22 @@ needs a transform, the same gradient by plain autograd.
 and what composes with the other transforms (``vmap`` over an ensemble, ``grad`` through training).
 Run eagerly it costs more than ``loss.backward()``: it wraps every input tensor at a new transform level
 and unwraps every output, and its backward always records a graph of itself (``create_graph=True``, for
-the gradients' own gradients). On the cheap tier, with no transform active, no trace under way and no
-param that autograd already follows, :func:`loss_and_grad` takes ``torch.autograd.grad`` on detached
-copies of the params instead: the gradient of the same forward, by the same backward kernels, at plain
-PyTorch's cost (benchmarks/eager_step.py). The first call also runs the function's forward once under
-the transform (``torch.func.vjp``, its cotangent never asked for), as a check whose result and random
-draws are dropped: the eager step refuses what the compiled step and the transforms refuse
-(``torch.utils.checkpoint``'s saved-tensor hooks, an autograd Function without ``setup_context``:
-:mod:`functrain.remat`; both refused in the forward), not a model that fails once compiled. Only the
-forward: the transform's backward imports ``torch._dynamo`` (~2 s of CPU), which a run on the eager tier
-never needs otherwise. Every step's result is
-the plain path's, whichever call of the process it is, so a resumed run's first step is the
-uninterrupted run's; both paths are bitwise the same but for a forward whose random draws depend on a
-kernel choice that the transform changes (``nn.MultiheadAttention``'s dropout), where the draws are the
-eager PyTorch loop's (tests/test_step_grad.py).
+the gradients' own gradients), which keeps every activation and intermediate gradient alive until it
+returns. On the cheap tier, with no transform active, no trace under way and no param that autograd
+already follows, :func:`loss_and_grad` takes ``torch.autograd.grad`` on detached copies of the params
+instead: the gradient of the same forward, by the same backward kernels, at plain PyTorch's cost
+(benchmarks/eager_step.py) and memory; a tensor-parallel state's DTensor params too (the step's peak per
+rank 0.5-0.8x the transform's: benchmarks/README.md, "Activations per rank"). The first call also runs
+the function's forward once under the transform (``torch.func.vjp``, its cotangent never asked for), as
+a check whose result and random draws are dropped: the eager step refuses what the compiled step and the
+transforms refuse (``torch.utils.checkpoint``'s saved-tensor hooks, an autograd Function without
+``setup_context``: :mod:`functrain.remat`; both refused in the forward), not a model that fails once
+compiled. Only the forward: the transform's backward imports ``torch._dynamo`` (~2 s of CPU), which a
+run on the eager tier never needs otherwise. Every step's result is the plain path's, whichever call
+of the process it is, so a resumed run's first step is the uninterrupted run's; both paths are bitwise
+the same but for a forward whose random draws depend on a kernel choice that the transform changes
+(``nn.MultiheadAttention``'s dropout), where the draws are the eager PyTorch loop's
+(tests/test_step_grad.py).
 
 While dynamo traces (a compiled step), :func:`_traced_grad_and_value` is ``grad_and_value``'s own
 implementation with the params walked in plain loops: the same functorch calls in the same order, so the
@@ -36,6 +38,7 @@ Example:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -65,12 +68,31 @@ _TRACED_IMPL = all(hasattr(functorch_impl, name) for name in _FUNCTORCH_PIECES)
 
 def plain_autograd_applies(params: Mapping[str, Any]) -> bool:
     """Whether plain autograd gives ``torch.func.grad_and_value``'s gradient of a function of
-    ``params`` here: eagerly (no dynamo trace), outside every ``torch.func`` transform, the params plain
-    tensors (no subclass) that autograd does not follow already (none requires grad: an outer
-    ``backward`` through the step needs ``grad_and_value``'s differentiable gradients)."""
+    ``params`` here: eagerly (no dynamo trace), outside every ``torch.func`` transform, every param a
+    plain tensor or a DTensor of one (:func:`_plain_leaf`) that autograd does not follow already (none
+    requires grad: an outer ``backward`` through the step needs ``grad_and_value``'s differentiable
+    gradients)."""
     if torch.compiler.is_dynamo_compiling() or torch._C._functorch.peek_interpreter_stack() is not None:
         return False
-    return all(type(p) in _PLAIN and not p.requires_grad for p in params.values())
+    return all(_plain_leaf(p) and not p.requires_grad for p in params.values())
+
+
+def _plain_leaf(p: Any) -> bool:
+    """A plain tensor, or a DTensor (tensor parallelism's params) whose local part is one.
+
+    A DTensor runs its ops below autograd (``__torch_dispatch__``; its ``__torch_function__`` is
+    disabled): autograd records the same aten ops on the same DTensors whether ``grad_and_value``'s
+    wrappers sit above them or not, and the backward dispatches the same derivative formulas to the same
+    sharding rules and collectives, so both paths compute the same gradients, bitwise
+    (tests/test_tensor_parallel_plain.py, every layout of :mod:`functrain.distributed.tensor_parallel`).
+    Every other subclass keeps the transform: its own Python may see the transform's wrappers or the grad
+    mode of the recorded backward (``create_graph=True``) and compute something else without them, and
+    nothing here shows that it does not. DTensor is looked up, not imported (2 s of imports): a process
+    holding one has imported it."""
+    if type(p) in _PLAIN:
+        return True
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return dtensor is not None and type(p) is dtensor and type(p._local_tensor) in _PLAIN
 
 
 def loss_and_grad(fn: Callable[..., tuple[torch.Tensor, Any]]) -> Callable[..., Any]:
@@ -78,9 +100,10 @@ def loss_and_grad(fn: Callable[..., tuple[torch.Tensor, Any]]) -> Callable[..., 
     ``torch.func.grad_and_value(fn, argnums=0, has_aux=True)``: ``params`` a flat dict of tensors,
     ``value`` a 0-d tensor; a param ``value`` does not depend on gets a zero gradient.
 
-    Eagerly, where :func:`plain_autograd_applies`, by ``torch.autograd.grad`` (the first call runs the
-    forward under the transform once more, for its refusals, with the generators' states restored after it); the value and
-    every tensor of ``aux`` come back detached, as from the transform.
+    Eagerly, where :func:`plain_autograd_applies` (plain tensors, or DTensors of them), by
+    ``torch.autograd.grad`` (the first call runs the forward under the transform once more, for its
+    refusals, with the generators' states restored after it); the value and every tensor of ``aux`` come
+    back detached, as from the transform.
 
     Example:
         >>> grads, (value, _) = loss_and_grad(lambda p: ((p["w"] ** 2).sum(), ()))({"w": torch.ones(2)})
