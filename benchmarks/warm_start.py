@@ -24,6 +24,14 @@ wrapping ``InstructionTranslatorBase.step``; deterministic, unlike time on a sha
 by the source file and function they run in, inclusive of what those call; inductor is replaced by a
 backend that runs dynamo's graph as it is.
 
+``--aot-compile`` (torch >= 2.15, an experiment, not a functrain feature): dynamo's own cross-process
+artifact, ``torch.compile(step).aot_compile(...)`` saved with ``save_compiled_function`` in one child
+(inductor, torch's default guard filter) and loaded with ``torch.compiler.load_compiled_function`` in a
+new one, the model passed as ``external_data``: what a warm start would cost if it skipped dynamo's trace.
+It is not safe (benchmarks/README.md, "Warm start on torch 2.15"): torch's filter drops every global
+guard and every function/class/module identity guard, and the artifact runs its own pickled copy of the
+step's closures.
+
 ``--interrupt``: a fit run with checkpoints and ``Preemption`` gets SIGINT ``--delay`` seconds after
 inductor receives the graph (a cold compile): seconds until the run has saved and returned, and until the
 process has exited.
@@ -33,6 +41,7 @@ Usage:
     python benchmarks/warm_start.py --workers --jobs mlp gpt --repeats 2
     python benchmarks/warm_start.py --interrupt --jobs mlp gpt --delay 0.5 3
     python benchmarks/warm_start.py --instructions --jobs mlp gpt
+    python benchmarks/warm_start.py --aot-compile --jobs mlp gpt --repeats 2
 """
 
 from __future__ import annotations
@@ -118,6 +127,47 @@ def child(job: str, mode: str, cache_dir: str) -> dict:
         )
         out["compiles"] = step.num_compiles
     return out
+
+
+def aot_child(job: str, mode: str, path: str) -> dict:
+    """``--aot-compile``'s child: ``save`` compiles the step with ``aot_compile`` and writes it to ``path``;
+    ``load`` reads it and runs the first step (no dynamo trace)."""
+    import functrain as ft
+
+    model, batch, loss = _job(job)
+    state = ft.TrainState.create(model, ft.optim.adamw(1e-3))
+    step = ft.jit(ft.make_train_step(model, loss))
+    step._choose_layout_handling(state)  # the function jit would hand torch.compile
+    modules = {f"module:{name}": m for name, m in model.named_modules()}
+    if mode == "save":
+        compiled = torch.compile(step._target, fullgraph=True, backend="inductor").aot_compile(
+            ((state, batch), {})
+        )
+        compiled.save_compiled_function(path, external_data=modules)
+    else:
+        with open(path, "rb") as f:
+            compiled = torch.compiler.load_compiled_function(f, external_data=modules)
+    compiled(state, batch)
+    return {
+        "wall": time.perf_counter() - _T_TORCH,
+        "cpu": _cpu() - _CPU_TORCH,
+        "import_torch": _T_TORCH - _T0,
+    }
+
+
+def aot_starts(jobs: list[str], repeats: int) -> None:
+    print("| job | run | start s (wall) | CPU s |\n|---|---|---:|---:|")
+    for job in jobs:
+        for r in range(repeats):
+            with tempfile.TemporaryDirectory(prefix="functrain-aot-") as tmp:
+                env = _env(os.path.join(tmp, "inductor"), os.path.join(tmp, "user"))
+                for mode in ("save", "load"):
+                    cmd = [sys.executable, __file__, "--aot-child", job, mode, os.path.join(tmp, "step.aot")]
+                    res, _, _ = _sampled(cmd, env)
+                    print(
+                        f"| {job} | aot {mode} {r + 1} | {res['wall']:.2f} | {res['cpu']:.2f} |", flush=True
+                    )
+    print(f"load average {os.getloadavg()[0]:.1f}", flush=True)
 
 
 def _sampled(cmd: list[str], env: dict[str, str]) -> tuple[dict, float, float]:
@@ -316,17 +366,29 @@ def main() -> None:
     )
     p.add_argument("--instructions", action="store_true", help="dynamo's instructions per step trace")
     p.add_argument("--delay", nargs="+", type=float, default=[0.5, 3.0])
+    p.add_argument(
+        "--aot-compile",
+        action="store_true",
+        help="dynamo's aot_compile artifact saved, then loaded (measured on torch 2.15)",
+    )
     p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--aot-child", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         torch.set_num_threads(1)
         print(json.dumps(child(*args.child)))
+        return
+    if args.aot_child:
+        torch.set_num_threads(1)
+        print(json.dumps(aot_child(*args.aot_child)))
         return
     print(f"torch {torch.__version__}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
     if args.instructions:
         instructions(args.jobs)
     elif args.interrupt:
         interrupts(args.jobs, args.delay)
+    elif args.aot_compile:
+        aot_starts(args.jobs, args.repeats)
     elif args.workers:
         compile_workers(args.jobs, args.repeats)
     else:
