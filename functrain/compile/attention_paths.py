@@ -17,9 +17,21 @@ as that mask, which is what eager computes when the check says "not causal", and
 says "causal") and turns the fast path off (``torch.backends.mha``), so every layer runs torch's
 reference path, the one eager training runs. Everything is restored when the call returns.
 
-Example:
-    >>> with traceable_attention(model):
-    ...     state, metrics = compiled_train_step(state, batch)
+Example (eagerly here; inside a compiled step the routed paths are what dynamo traces):
+    >>> import torch
+    >>> from torch import nn
+    >>> layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+    >>> model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).eval()
+    >>> x, mask = torch.randn(2, 5, 8), nn.Transformer.generate_square_subsequent_mask(5)
+    >>> with torch.no_grad(), traceable_attention(model):
+    ...     routed = model(x, mask=mask)
+    ...     torch.backends.mha.get_fastpath_enabled()  # every layer takes torch's reference path
+    False
+    >>> torch.backends.mha.get_fastpath_enabled()  # restored on exit
+    True
+    >>> with torch.no_grad():  # the same numbers as torch's own choice of kernel
+    ...     torch.allclose(routed, model(x, mask=mask), atol=1e-5)
+    True
 """
 
 from __future__ import annotations
@@ -66,8 +78,13 @@ def traceable_attention(model: Any) -> Iterator[None]:
     ``torch.nn``; restored on exit.
 
     Example:
-        >>> with traceable_attention(model):
-        ...     out = compiled(x)
+        >>> import torch, torch.nn.modules.transformer as transformer_module
+        >>> with traceable_attention(torch.nn.MultiheadAttention(8, 2)):
+        ...     transformer_module._detect_is_causal_mask is causal_hint
+        True
+        >>> with traceable_attention(torch.nn.Linear(8, 2)):  # no attention module: nothing routed
+        ...     transformer_module._detect_is_causal_mask is causal_hint
+        False
     """
     routed = transformer_module._detect_is_causal_mask is causal_hint  # nested steps: already routed
     if routed or not (isinstance(model, nn.Module) and _uses_attention(model)):

@@ -3,10 +3,14 @@
 step, loaded into the local caches before the first compile in a new process, on this machine or another
 of the same kind.
 
-Example:
-    >>> cache = PortableCache("run/compile-cache", "train_step")  # doctest: +SKIP
-    >>> misses = cache.before_call(first=True)  # loads the folder's files once per process
-    >>> cache.after_compile(misses)  # writes train_step.compile-cache when the compile missed
+Example (what ``jit(..., cache_dir=run_dir.name)`` does around a compile; nothing compiles here):
+    >>> import os, tempfile
+    >>> run_dir = tempfile.TemporaryDirectory()
+    >>> cache = PortableCache(run_dir.name, "train_step")
+    >>> misses = cache.before_call(first=True)  # loads the folder's files, once per process
+    >>> cache.after_compile(misses)  # writes train_step.compile-cache only when a compile missed
+    >>> os.listdir(run_dir.name)  # no compile since before_call: nothing new to keep
+    []
 """
 
 from __future__ import annotations

@@ -26,11 +26,20 @@ itself off for good, with a warning, and every call takes ``torch.compile``'s pa
 tests/test_cache_hits.py checks that the direct path is taken on each supported torch, so a torch that
 drops it fails a test, not a user.
 
-Example:
-    >>> hits = CacheHits(target)            # target: the function given to torch.compile
-    >>> out = hits.call(state, (batch,), {})
-    >>> if out is MISS:
-    ...     out = compiled(state, batch)
+Example (dynamo's ``"eager"`` backend: guards and cache entries without an inductor build):
+    >>> from functrain.compile.wrappers import passing_through
+    >>> step = passing_through(lambda state, batch: state * 2 + batch)  # a (state, *args, **kwargs) frame
+    >>> compiled = torch.compile(step, fullgraph=True, backend="eager")
+    >>> hits = CacheHits(step)  # the function given to torch.compile
+    >>> state, batch = torch.ones(3), torch.zeros(3)
+    >>> hits.call(state, (batch,), {}) is MISS  # nothing compiled yet: go through torch.compile
+    True
+    >>> compiled(state, batch)
+    tensor([2., 2., 2.])
+    >>> hits.call(state, (batch,), {}), hits.calls  # the cached code, called directly
+    (tensor([2., 2., 2.]), 1)
+    >>> hits.call(state.double(), (batch,), {}) is MISS, hits.missed_on_guards  # a dtype no guard accepts
+    (True, True)
 """
 
 from __future__ import annotations

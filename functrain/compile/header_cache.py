@@ -11,7 +11,10 @@ without running the compiler. Anything else (no record, another torch or compile
 private torch API that moved) calls inductor's own function.
 
 Example:
-    >>> install()  # doctest: +SKIP  (once per process, before inductor loads a CPU kernel)
+    >>> from torch._inductor import codecache
+    >>> install()  # once per process, before inductor loads a CPU kernel (jit's backend does)
+    >>> codecache._precompile_header.__wrapped__.__wrapped__.__module__  # inductor's own, on a miss
+    'torch._inductor.codecache'
 """
 
 from __future__ import annotations

@@ -8,9 +8,19 @@ whole step. :func:`ignored_logging` adds the logger's emitting methods to that s
 step compiles and runs, and takes them out again after: code compiled outside functrain is unaffected.
 The calls then do nothing inside the compiled graph; an eager step (``jit(..., compile=False)``) logs.
 
-Example:
+Example (dynamo's ``"eager"`` backend: the trace without an inductor build):
+    >>> import torch
+    >>> class Head(torch.nn.Module):
+    ...     log = logging.getLogger("model")
+    ...     def forward(self, x):
+    ...         self.log.warning("no loss type given: cross entropy")
+    ...         return x + 1
+    >>> compiled = torch.compile(torch.nn.Sequential(Head()), fullgraph=True, backend="eager")
     >>> with ignored_logging():
-    ...     out = compiled_step(state, batch)  # a logger.warning(...) in the model is skipped
+    ...     compiled(torch.zeros(2))  # one graph: the warning is skipped
+    tensor([1., 1.])
+    >>> logging.Logger.warning in torch._dynamo.config.ignore_logging_functions  # taken out again
+    False
 """
 
 from __future__ import annotations

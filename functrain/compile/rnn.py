@@ -12,9 +12,13 @@ benchmarks/README.md), run time does not change.
 
 Example:
     >>> gru = torch.nn.GRU(4, 8, num_layers=2, batch_first=True)
-    >>> out, h = rnn_forward(gru, torch.randn(3, 5, 4))
+    >>> x = torch.randn(3, 5, 4)
+    >>> out, h = rnn_forward(gru, x)
     >>> out.shape, h.shape
     (torch.Size([3, 5, 8]), torch.Size([2, 3, 8]))
+    >>> expected, expected_h = gru(x)  # torch's kernel: the same numbers
+    >>> torch.allclose(out, expected, atol=1e-6), torch.allclose(h, expected_h, atol=1e-6)
+    (True, True)
 """
 
 from __future__ import annotations
@@ -183,8 +187,12 @@ def functional_rnns(model: Any) -> Iterator[None]:
     recurrent modules are found on the first call for a model: add none to it afterwards.
 
     Example:
+        >>> model = torch.nn.Sequential(torch.nn.LSTM(4, 8))
         >>> with functional_rnns(model):
-        ...     out = model(x)
+        ...     model[0].forward.func is rnn_forward, torch._dynamo.config.allow_rnn
+        (True, True)
+        >>> "forward" in vars(model[0]), torch._dynamo.config.allow_rnn  # restored on exit
+        (False, False)
     """
     modules = _recurrent_modules(model) if isinstance(model, nn.Module) else []
     if not modules or all(m in _FORWARDS and m.__dict__.get("forward") is _FORWARDS[m] for m in modules):

@@ -18,9 +18,16 @@ step from which inductor runs, both estimates): logged in one line, kept in the 
 resumed from a checkpoint saved before the decision decides again, on its own measurements.
 
 Example:
-    >>> step = tiered(make_train_step(model, loss))  # what TrainerConfig(compile="auto") builds
-    >>> result = ft.fit(state, step, data, batch_size=32, epochs=2)
-    >>> step.plan  # e.g. TierPlan(decided_at=6, switch_at=None, cost=41.3, saving=0.9): eager throughout
+    >>> import functrain as ft
+    >>> model = torch.nn.Linear(4, 2)
+    >>> data = [(torch.randn(4), torch.tensor(i % 2)) for i in range(64)]
+    >>> state = ft.TrainState.create(model, ft.optim.sgd(0.1))
+    >>> loss = ft.supervised_loss(torch.nn.functional.cross_entropy)
+    >>> step = tiered(ft.make_train_step(model, loss))  # what TrainerConfig(compile="auto") builds
+    >>> result = ft.fit(state, step, data, batch_size=16, epochs=2, progress_bar=False)
+    >>> # decided after a warm-up and 5 timed steps: 2 steps left cannot pay for a compile
+    >>> step.plan.decided_at, step.plan.switch_at, step.num_compiles, int(result.state.step)
+    (6, None, 0, 8)
 """
 
 from __future__ import annotations
@@ -456,8 +463,16 @@ def tiered(
     a :class:`~functrain.compile.background.BackgroundBuild` that warms the caches beside the run.
 
     Example:
-        >>> step = tiered(make_train_step(model, loss), policy=TierPolicy(speedup=1.3))
-        >>> ft.fit(state, step, data, batch_size=32, epochs=20).state.step
+        >>> import functrain as ft
+        >>> model = torch.nn.Linear(4, 2)
+        >>> data = [(torch.randn(4), torch.tensor(i % 2)) for i in range(64)]
+        >>> state = ft.TrainState.create(model, ft.optim.sgd(0.1))
+        >>> loss = ft.supervised_loss(torch.nn.functional.cross_entropy)
+        >>> step = tiered(ft.make_train_step(model, loss), policy=SwitchAt(None))  # eager throughout
+        >>> int(ft.fit(state, step, data, batch_size=16, epochs=1, progress_bar=False).state.step)
+        4
+        >>> step.plan, step.num_compiles
+        (TierPlan(decided_at=0, switch_at=None, cost=0.0, saving=0.0), 0)
     """
     return TieredStep(
         fn,

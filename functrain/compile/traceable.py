@@ -14,8 +14,17 @@
 Everything is restored when the call returns.
 
 Example:
-    >>> with traceable(model):
-    ...     state, metrics = compiled_train_step(state, batch)
+    >>> import torch, torch.utils.checkpoint
+    >>> from functrain.remat import checkpoint
+    >>> model = torch.nn.Sequential(torch.nn.GRU(4, 8), torch.nn.Linear(8, 2))
+    >>> with traceable(model):  # a compiled step's call: checkpoint routed, the GRU runs rnn_forward
+    ...     torch.utils.checkpoint.checkpoint is checkpoint, "forward" in vars(model[0])
+    (True, True)
+    >>> with traceable(model, compiled=False):  # an eager step's: the GRU keeps torch's kernel
+    ...     torch.utils.checkpoint.checkpoint is checkpoint, "forward" in vars(model[0])
+    (True, False)
+    >>> torch.utils.checkpoint.checkpoint is checkpoint  # restored on exit
+    False
 """
 
 from __future__ import annotations
