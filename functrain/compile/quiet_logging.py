@@ -2,10 +2,11 @@
 
 Models log from ``forward`` (Hugging Face's ``logger.warning_once(...)`` about a default loss type, a
 deprecated argument, ...). Dynamo refuses any ``logging.Logger`` method that is not listed in
-``torch._dynamo.config.ignore_logging_functions`` (a set of callables; ``logging.Logger.<method>``
-covers every logger, on torch 2.11 and 2.13 alike), so under ``fullgraph=True`` one log call fails the
-whole step. :func:`ignored_logging` adds the logger's emitting methods to that set while functrain's
-step compiles and runs, and takes them out again after: code compiled outside functrain is unaffected.
+``torch._dynamo.config.ignore_logging_functions`` (``ignore_logger_methods`` on torch 2.10; a set of
+callables: ``logging.Logger.<method>`` covers every logger), so under ``fullgraph=True`` one log call
+fails the whole step. :func:`ignored_logging` adds the logger's emitting methods to that set while
+functrain's step compiles and runs, and takes them out again after: code compiled outside functrain is
+unaffected.
 The calls then do nothing inside the compiled graph; an eager step (``jit(..., compile=False)``) logs.
 
 Example (dynamo's ``"eager"`` backend: the trace without an inductor build):
@@ -19,7 +20,7 @@ Example (dynamo's ``"eager"`` backend: the trace without an inductor build):
     >>> with ignored_logging():
     ...     compiled(torch.zeros(2))  # one graph: the warning is skipped
     tensor([1., 1.])
-    >>> logging.Logger.warning in torch._dynamo.config.ignore_logging_functions  # taken out again
+    >>> logging.Logger.warning in _ignore_set()  # taken out again
     False
 """
 
@@ -60,7 +61,7 @@ def _ignore_set() -> set[Any] | None:
     import torch._dynamo  # here: importing this module (an eager step's) loads no dynamo
 
     config = torch._dynamo.config
-    for name in ("ignore_logging_functions", "ignore_logger_methods"):  # the older name on torch < 2.10
+    for name in ("ignore_logging_functions", "ignore_logger_methods"):  # the older name, torch 2.10's
         value = getattr(config, name, None)
         if isinstance(value, set):
             return value
