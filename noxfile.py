@@ -22,15 +22,19 @@ NEWEST = "2.15.0"
 FULL = "2.13.0"
 # Every supported torch, newest first; the last is pyproject.toml's torch>= floor (tested by .ci/run).
 TORCH_VERSIONS = [NEWEST, "2.14.1", "2.13.0", "2.12.0", "2.11.0", "2.10.0"]
-# What the other versions run: the tests that compile a step (keep in step with .ci/run's FLOOR_TESTS).
+# What the other versions run: the tests that compile a step, and the docstring examples, which name
+# torch's own APIs (keep in step with .ci/run's FLOOR_TESTS).
 FLOOR_TESTS = [
     "tests/test_step.py",
+    "tests/test_step_grad.py",
     "tests/test_jit.py",
     "tests/test_cache_hits.py",
     "tests/test_isa_probe.py",
     "tests/test_optim*.py",
     "tests/test_metrics*.py",
     "tests/test_torch_versions.py",
+    "tests/test_doctests.py",
+    "tests/test_step_doctests.py",
 ]
 TORCH = f"torch=={FULL}"
 nox.options.sessions = ["lint", f"tests(torch='{FULL}')"]
