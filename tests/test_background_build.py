@@ -4,6 +4,7 @@ a run whose child warms the caches, then switches with one compile of its own an
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -18,7 +19,14 @@ from test_resume import assert_bitwise_equal
 from test_tiers import arrays
 
 import functrain as ft
-from functrain.compile.background import RUNNING, BackgroundBuild, BuildResult, idle_cores, wanted
+from functrain.compile.background import (
+    RUNNING,
+    BackgroundBuild,
+    BuildResult,
+    idle_cores,
+    remove_orphaned_dirs,
+    wanted,
+)
 from functrain.compile.tiers import TieredStep, TierEstimates, TierPlan, TierPolicy
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -311,3 +319,23 @@ def test_the_trainer_builds_no_child_where_turned_off_or_not_rebuildable(tmp_pat
         )
         assert given._jit("train").background is None
     assert "cannot be rebuilt" in caplog.text and "loss_fn" in caplog.text
+
+
+def test_a_build_removes_the_folders_of_builds_whose_parent_was_killed(tmp_path):
+    """A parent killed with SIGKILL leaves its build's folder (no Python ran to remove it): the next build
+    removes it; a folder whose parent runs, or whose spec is not written yet, stays."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    folders = {}
+    for name, parent in (("orphan", gone.pid), ("running", os.getppid()), ("ours", os.getpid())):
+        folder = tmp_path / f"functrain-background-{name}"
+        folder.mkdir()
+        (folder / "spec.json").write_text(json.dumps({"parent": parent}))
+        folders[name] = folder
+    (tmp_path / "functrain-background-unwritten").mkdir()
+    (tmp_path / "other-orphan").mkdir()
+    assert remove_orphaned_dirs(str(tmp_path)) == [str(folders["orphan"])]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "functrain-background-ours", "functrain-background-running", "functrain-background-unwritten",
+        "other-orphan",
+    ]  # fmt: skip

@@ -50,12 +50,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["BackgroundBuild", "BuildResult", "Warmup", "idle_cores", "wanted"]
+__all__ = ["BackgroundBuild", "BuildResult", "Warmup", "idle_cores", "remove_orphaned_dirs", "wanted"]
 
 log = logging.getLogger("functrain.jit")  # the logger jit's users configure
 
 RUNNING, FAILED = "running", "failed"
 _RESULT, _SPEC, _OUTPUT = "result.json", "spec.json", "child.log"
+_PREFIX = "functrain-background-"
 _builds: weakref.WeakSet[BackgroundBuild] = weakref.WeakSet()  # stopped at exit
 
 
@@ -164,7 +165,8 @@ class BackgroundBuild:
         """Start the child (once; its own session, so :meth:`stop` ends the compilers it started too)."""
         if self._process is not None:
             return
-        self._dir = tempfile.mkdtemp(prefix="functrain-background-")
+        remove_orphaned_dirs()
+        self._dir = tempfile.mkdtemp(prefix=_PREFIX)
         spec = {
             "recipe": self.recipe,
             "kwargs": self.kwargs,
@@ -239,6 +241,38 @@ class BackgroundBuild:
     def __repr__(self) -> str:
         state = RUNNING if self._result is None and self.started else (self._result or "not started")
         return f"BackgroundBuild({self.recipe}, pid={self.pid}, {state})"
+
+
+def remove_orphaned_dirs(root: str | None = None) -> list[str]:
+    """Remove the folders of builds whose parent process is gone (killed with SIGKILL, which leaves no
+    Python to clean up; its child then died with it); the removed paths. A folder whose spec is not
+    written yet, or whose parent runs, stays.
+
+    Example:
+        >>> remove_orphaned_dirs(tempfile.mkdtemp())  # an empty folder: nothing to remove
+        []
+    """
+    removed = []
+    for folder in sorted(Path(root or tempfile.gettempdir()).glob(f"{_PREFIX}*")):
+        try:
+            parent = int(json.loads((folder / _SPEC).read_text(encoding="utf-8"))["parent"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # being written, or not ours
+        if parent == os.getpid() or _alive(parent):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(str(folder))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _kill_group(pid: int) -> None:
