@@ -34,7 +34,6 @@ FLOOR_TESTS = [
     "tests/test_metrics*.py",
     "tests/test_torch_versions.py",
     "tests/test_doctests.py",
-    "tests/test_step_doctests.py",
 ]
 TORCH = f"torch=={FULL}"
 nox.options.sessions = ["lint", f"tests(torch='{FULL}')"]

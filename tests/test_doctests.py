@@ -1,5 +1,5 @@
-"""The examples in these modules' docstrings run and print what they say (the step's and the optimizers'
-have their own tests: test_step_doctests.py, test_optim_doctests.py)."""
+"""The examples in these modules' docstrings run and print what they say (the optimizers' have their own
+test, which finds every module of functrain.optim: test_optim_doctests.py)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,14 @@ MODULES = [
     "functrain.loop.run",
     "functrain.remat",
     "functrain.state",
+    "functrain.step",
+    "functrain.step.base",
+    "functrain.step.batch",
+    "functrain.step.bind",
+    "functrain.step.evaluate",
+    "functrain.step.per_example",
+    "functrain.step.sam",
+    "functrain.step.train",
     "functrain.trainer.core",
     "functrain.trainer.tasks",
 ]

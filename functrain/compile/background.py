@@ -50,6 +50,8 @@ from typing import Any
 
 import torch
 
+from functrain.core.atomic import process_exists
+
 __all__ = ["BackgroundBuild", "BuildResult", "Warmup", "idle_cores", "remove_orphaned_dirs", "wanted"]
 
 log = logging.getLogger("functrain.jit")  # the logger jit's users configure
@@ -258,21 +260,11 @@ def remove_orphaned_dirs(root: str | None = None) -> list[str]:
             parent = int(json.loads((folder / _SPEC).read_text(encoding="utf-8"))["parent"])
         except (OSError, ValueError, KeyError, TypeError):
             continue  # being written, or not ours
-        if parent == os.getpid() or _alive(parent):
+        if process_exists(parent) is not False:  # alive, this process, or cannot be asked
             continue
         shutil.rmtree(folder, ignore_errors=True)
         removed.append(str(folder))
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def _kill_group(pid: int) -> None:

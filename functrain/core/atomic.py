@@ -35,6 +35,7 @@ __all__ = [
     "drop_cached_pages",
     "fsync_directory",
     "is_abandoned",
+    "process_exists",
     "replace_text",
     "temporary_path",
 ]
@@ -77,8 +78,13 @@ def temporary_path(path: str | os.PathLike[str]) -> str:
     return f"{os.fspath(path)}{TMP_MARKER}{_host()}-{_boot()}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
-def _process_exists(pid: int) -> bool | None:
-    """Whether ``pid`` is a live process here; ``None`` where that cannot be asked safely."""
+def process_exists(pid: int) -> bool | None:
+    """Whether ``pid`` is a live process here; ``None`` where that cannot be asked safely.
+
+    Example:
+        >>> process_exists(os.getpid())
+        True
+    """
     if os.name == "nt":  # os.kill(pid, 0) would terminate the process there
         return None
     if pid == os.getpid():
@@ -111,7 +117,7 @@ def is_abandoned(path: str | os.PathLike[str], *, now: float, mtime: float) -> b
         boot, pid = match.group(2), int(match.group(3))
         if _UNKNOWN_BOOT not in (boot, _boot()) and boot != _boot():
             return True
-        if boot == _boot() and _process_exists(pid) is False:
+        if boot == _boot() and process_exists(pid) is False:
             return True
     return now - mtime > ABANDONED_AFTER_SECONDS
 
