@@ -23,7 +23,7 @@ import torch.distributed as dist
 import tp_worker as base
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
-from torchrun_exit import exit_skipping_teardown
+from torchrun_exit import save_results_and_exit
 
 import functrain as ft
 from functrain import distributed
@@ -225,9 +225,7 @@ def main() -> None:
     if mode not in ("layouts", "fit"):
         raise SystemExit(f"unknown mode {mode}")
     out = layouts(out_dir) if mode == "layouts" else fit_mode(out_dir)
-    torch.save(out, os.path.join(out_dir, f"{mode}_rank{dist.get_rank()}.pt"))
-    dist.barrier()
-    exit_skipping_teardown()
+    save_results_and_exit(out, out_dir, mode)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ the test, not a checkpoint).
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -29,7 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.experimental import implicit_replication
-from torchrun_exit import exit_skipping_teardown
+from torchrun_exit import save_results_and_exit
 from tp_worker import GPT, SEQ, Block, adamw, batches, lm_loss, max_diff
 
 import functrain as ft
@@ -244,9 +243,7 @@ def main() -> None:
         raise SystemExit(f"unknown mode {mode}")
     mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("dp", "tp"))
     out = run(mesh)
-    torch.save(out, os.path.join(out_dir, f"{mode}_rank{dist.get_rank()}.pt"))
-    dist.barrier()
-    exit_skipping_teardown()
+    save_results_and_exit(out, out_dir, mode)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torchrun_exit import exit_skipping_teardown
+from torchrun_exit import save_results_and_exit
 from tp_worker import GPT, VOCAB, batches, lm_loss, max_diff
 
 import functrain as ft
@@ -246,9 +246,7 @@ def main() -> None:
     if mode != "review":
         raise SystemExit(f"unknown mode {mode}")
     out = run_all(mesh)
-    torch.save(out, os.path.join(out_dir, f"{mode}_rank{dist.get_rank()}.pt"))
-    dist.barrier()
-    exit_skipping_teardown()
+    save_results_and_exit(out, out_dir, mode)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
-from torchrun_exit import exit_skipping_teardown
+from torchrun_exit import save_results_and_exit
 
 import functrain as ft
 from functrain import distributed
@@ -270,7 +270,7 @@ def main() -> None:
     mode, out_dir = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     mesh = (
         init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
         if mode.startswith("grid")
@@ -301,9 +301,7 @@ def main() -> None:
         out["grid"] = run_tp(mesh, compile=True, clip=1e3)  # clip 1e3: see "compile"
     else:
         raise SystemExit(f"unknown mode {mode}")
-    torch.save(out, os.path.join(out_dir, f"{mode}_rank{rank}.pt"))
-    dist.barrier()
-    exit_skipping_teardown()
+    save_results_and_exit(out, out_dir, mode)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ compiled in one process, 8 AdamW steps with clipping each, against one process).
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import Any
@@ -21,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
-from torchrun_exit import exit_skipping_teardown
+from torchrun_exit import save_results_and_exit
 from tp_worker import adamw, batches, lm_loss, max_diff, model, reference
 
 import functrain as ft
@@ -170,7 +169,7 @@ def main() -> None:
     mode, out_dir = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
     out: dict[str, Any] = {"world_size": world}
     if mode == "eager":
@@ -187,9 +186,7 @@ def main() -> None:
             out[str(level)]["wall_s"] = time.perf_counter() - started
     else:
         raise SystemExit(f"unknown mode {mode}")
-    torch.save(out, os.path.join(out_dir, f"{mode}_rank{rank}.pt"))
-    dist.barrier()
-    exit_skipping_teardown()
+    save_results_and_exit(out, out_dir, mode)
 
 
 if __name__ == "__main__":
